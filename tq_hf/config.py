@@ -1,0 +1,149 @@
+"""TurboQuantConfig: the format of the compressed KV cache, and its presets.
+
+Pure data and arithmetic: no tensors, no devices. Every byte size of the format is derived
+here from the bit widths, so layout, kernels and memory reports can never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+KEY_BITS = (3, 4, 8)  # 3/4: Lloyd-Max codebook over rotated coordinates; 8: FP8 e4m3 keys
+VALUE_BITS = (3, 4)  # per-token asymmetric uniform codes
+ROTATIONS = ("hadamard", "random")
+BLOCK_SIZES = (16, 32, 64)
+PREFILL_MODES = ("exact", "compressed")
+HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
+HEAD_DIM_RANGE = (32, 256)
+
+# One 16-bit (bfloat16) field each per (token, KV head). bfloat16, not float16: activations of
+# bf16 models exceed 65504, and the format must not turn them into inf.
+METADATA_FIELDS = ("key_scale", "value_scale", "value_mid")
+METADATA_FIELD_BYTES = 2
+
+PRESETS: dict[str, dict[str, int]] = {
+    "k8v4": {"key_bits": 8, "value_bits": 4},
+    "4bit": {"key_bits": 4, "value_bits": 4},
+    "k3v4": {"key_bits": 3, "value_bits": 4},
+    "3bit": {"key_bits": 3, "value_bits": 3},
+}
+
+
+def supported_head_dims() -> str:
+    lo, hi = HEAD_DIM_RANGE
+    return f"multiples of {HEAD_DIM_MULTIPLE} from {lo} to {hi}"
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """How keys and values are compressed.
+
+    key_bits: 3 or 4 (rotation + Lloyd-Max codebook + one per-token scale) or 8 (FP8 e4m3
+        with a per-token scale, no rotation).
+    value_bits: 3 or 4 (per-token asymmetric uniform quantization: a midpoint and a scale).
+    norm_correction: store ||k|| / ||codebook vector|| so dequantized keys keep their norm.
+    rotation: "hadamard" (randomized Walsh-Hadamard, power-of-two head_dim) or "random"
+        (seeded Haar-orthogonal matrix, any supported head_dim).
+    block_size: tokens per cache block (page).
+    full_precision_layers: layer indices kept in an ordinary dense cache (negative indices count
+        from the end). The default keeps the first and last two, which the field found
+        necessary at low bit widths; pass () to compress every layer.
+    prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
+        values (they are compressed into the cache all the same); "compressed" makes it read
+        the compressed cache, as decode always does.
+    seed: seeds the rotation.
+    """
+
+    key_bits: int = 4
+    value_bits: int = 4
+    norm_correction: bool = True
+    rotation: str = "hadamard"
+    block_size: int = 16
+    full_precision_layers: tuple[int, ...] = (0, 1, -2, -1)
+    prefill_attention: str = "exact"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "full_precision_layers", tuple(self.full_precision_layers))
+        _check_choice("key_bits", self.key_bits, KEY_BITS)
+        _check_choice("value_bits", self.value_bits, VALUE_BITS)
+        _check_choice("rotation", self.rotation, ROTATIONS)
+        _check_choice("block_size", self.block_size, BLOCK_SIZES)
+        _check_choice("prefill_attention", self.prefill_attention, PREFILL_MODES)
+        if not isinstance(self.norm_correction, bool):
+            raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
+        if not all(isinstance(i, int) for i in self.full_precision_layers):
+            raise ValueError(
+                f"full_precision_layers must be integer layer indices, got {self.full_precision_layers!r}"
+            )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "TurboQuantConfig":
+        """A preset ("k8v4", "4bit", "k3v4", "3bit") with any field overridden."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; supported presets: {', '.join(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise ValueError(f"unknown TurboQuantConfig fields {sorted(unknown)}; fields: {sorted(fields)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    # ---- derived facts ----------------------------------------------------------------------
+    @property
+    def uses_codebook(self) -> bool:
+        """Keys go through rotation + Lloyd-Max codebook (else FP8)."""
+        return self.key_bits in (3, 4)
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError if this format cannot hold heads of `head_dim`."""
+        lo, hi = HEAD_DIM_RANGE
+        if not (lo <= head_dim <= hi and head_dim % HEAD_DIM_MULTIPLE == 0):
+            raise ValueError(f"head_dim {head_dim} is not supported; supported: {supported_head_dims()}")
+        if self.uses_codebook and self.rotation == "hadamard" and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}; "
+                "use rotation='random' for this model"
+            )
+
+    def full_precision_layer_set(self, num_layers: int) -> frozenset[int]:
+        """Resolve (possibly negative) full_precision_layers for a model of `num_layers`."""
+        out = set()
+        for i in self.full_precision_layers:
+            j = i + num_layers if i < 0 else i
+            if not 0 <= j < num_layers:
+                raise ValueError(
+                    f"full_precision_layers entry {i} is out of range for a model with {num_layers} layers"
+                )
+            out.add(j)
+        return frozenset(out)
+
+    # ---- byte sizes: the only place they are computed ---------------------------------------
+    def key_code_bytes(self, head_dim: int) -> int:
+        """Packed key codes of one (token, head)."""
+        return head_dim * self.key_bits // 8
+
+    def value_code_bytes(self, head_dim: int) -> int:
+        """Packed value codes of one (token, head)."""
+        return head_dim * self.value_bits // 8
+
+    @property
+    def metadata_bytes(self) -> int:
+        """16-bit metadata fields of one (token, head)."""
+        return len(METADATA_FIELDS) * METADATA_FIELD_BYTES
+
+    def token_head_bytes(self, head_dim: int) -> int:
+        """Everything one (token, KV head) costs in the cache."""
+        return self.key_code_bytes(head_dim) + self.value_code_bytes(head_dim) + self.metadata_bytes
+
+    def compression_vs_fp16(self, head_dim: int) -> float:
+        """Compressed bytes / fp16 bytes for keys and values of one (token, head)."""
+        return self.token_head_bytes(head_dim) / (2 * 2 * head_dim)
+
+
+def _check_choice(name: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; supported values: {', '.join(map(repr, allowed))}")

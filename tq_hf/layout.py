@@ -1,0 +1,121 @@
+"""The paged block layout of the compressed cache: defined here once, used by everything.
+
+A layer's pool is one uint8 tensor of shape [num_blocks, num_kv_heads, plane_bytes]. Each
+(block, KV head) pair owns one contiguous *page plane* holding that head's `block_size` tokens
+as structure-of-arrays, so a kernel reading one head's tile issues a few wide, contiguous loads:
+
+    plane of (block b, head h), T = block_size tokens, byte offsets on the left:
+
+    0                    +---------------------------------------------+
+                         | key codes    T x key_code_bytes    (uint8)  |  token t at t*KB
+    T*KB                 +---------------------------------------------+
+                         | value codes  T x value_code_bytes  (uint8)  |  token t at T*KB + t*VB
+    T*(KB+VB)            +---------------------------------------------+
+                         | key_scale    T x bf16                       |  metadata region:
+                         | value_scale  T x bf16                       |  one 16-bit field per
+                         | value_mid    T x bf16                       |  token per field
+    T*(KB+VB+6)          +---------------------------------------------+  = plane_bytes
+
+    block b = [plane(b, 0) | plane(b, 1) | ... | plane(b, H-1)]
+
+With T in {16, 32, 64} every region starts on a 32-byte boundary.
+
+Packing of the codes inside one token's row (D = head_dim):
+  * 4-bit ("split-half"): byte j holds code j in its low nibble and code j + D/2 in its high
+    nibble, so the two nibble halves feed two half-width dot products without shuffles.
+  * 3-bit: a little-endian bit stream; code i occupies bits [3i, 3i+3) and may straddle bytes.
+  * 8-bit (FP8 keys): one float8_e4m3fn byte per coordinate.
+
+Metadata meaning:
+  * key_scale: codebook keys: the RMS of the key divided by the RMS of its codebook vector
+    (norm correction) or the plain RMS; FP8 keys: amax / 448 rounded up.
+  * value_scale, value_mid: value ~= value_mid + value_scale * (code - (2**bits - 1) / 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import METADATA_FIELDS, TurboQuantConfig
+
+KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
+METADATA_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Byte geometry of one layer's pool; every offset the kernels use comes from here."""
+
+    config: TurboQuantConfig
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        self.config.check_head_dim(self.head_dim)
+        if self.num_kv_heads < 1:
+            raise ValueError(f"num_kv_heads must be >= 1, got {self.num_kv_heads}")
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def key_bytes(self) -> int:
+        return self.config.key_code_bytes(self.head_dim)
+
+    @property
+    def value_bytes(self) -> int:
+        return self.config.value_code_bytes(self.head_dim)
+
+    @property
+    def key_offset(self) -> int:
+        return 0
+
+    @property
+    def value_offset(self) -> int:
+        return self.block_size * self.key_bytes
+
+    @property
+    def metadata_offset(self) -> int:
+        return self.value_offset + self.block_size * self.value_bytes
+
+    @property
+    def plane_bytes(self) -> int:
+        return self.metadata_offset + self.block_size * self.config.metadata_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_kv_heads * self.plane_bytes
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+        """A zeroed pool of `num_blocks` blocks."""
+        return torch.zeros(num_blocks, self.num_kv_heads, self.plane_bytes, dtype=torch.uint8, device=device)
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        expected = (self.num_kv_heads, self.plane_bytes)
+        if pool.dtype != torch.uint8 or pool.dim() != 3 or tuple(pool.shape[1:]) != expected:
+            raise ValueError(
+                f"pool must be uint8 [num_blocks, {expected[0]}, {expected[1]}] for this layout, "
+                f"got {pool.dtype} {list(pool.shape)}"
+            )
+        if not pool.is_contiguous():
+            raise ValueError("pool must be contiguous")
+
+    # ---- views of a pool (no copies) ---------------------------------------------------------
+    def key_codes(self, pool: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, H, T, key_bytes] uint8 view."""
+        t = self.block_size
+        return pool[:, :, self.key_offset : self.value_offset].unflatten(-1, (t, self.key_bytes))
+
+    def value_codes(self, pool: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, H, T, value_bytes] uint8 view."""
+        t = self.block_size
+        return pool[:, :, self.value_offset : self.metadata_offset].unflatten(-1, (t, self.value_bytes))
+
+    def metadata(self, pool: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, H, 3, T] bfloat16 view (fields KEY_SCALE, VALUE_SCALE, VALUE_MID)."""
+        t = self.block_size
+        raw = pool[:, :, self.metadata_offset : self.plane_bytes]
+        return raw.view(METADATA_DTYPE).unflatten(-1, (len(METADATA_FIELDS), t))

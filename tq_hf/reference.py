@@ -1,0 +1,279 @@
+"""Pure-PyTorch TurboQuant: the executable specification and the CPU execution path.
+
+Everything the kernels do is defined here first, in readable, vectorised PyTorch:
+quantize + store new tokens into a paged pool, dequantize a sequence back, and attend over
+the pool. Kernel tests compare against these functions; the cache uses them on CPU.
+
+Keys (3/4-bit): u = k / amax|k|;  y = R u / rms(u)  (unit-variance rotated coordinates);
+    code_i = #{boundaries < y_i};  scale = amax * rms(u) / rms(c[code])  (norm correction);
+    k_hat = scale * R^T c[code].   Attention needs only  q . k_hat = scale * (R q) . c[code].
+Keys (8-bit): scale = roundup_bf16(amax / 448);  code = fp8_e4m3(k / scale).
+Values: mid = bf16(amax/2 + amin/2); scale = roundup_bf16(max(amax - mid, mid - amin) / (L/2));
+    code = clamp(floor((v - mid) / scale + L/2 + 1/2), 0, L);  v_hat = mid + scale (code - L/2),
+    with L = 2**bits - 1. Rounding the scale up makes the grid cover the row, so every element
+    is within scale/2 of its reconstruction, and no intermediate leaves the float32 range.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .codebook import lloyd_max, rotation_matrix
+from .config import TurboQuantConfig
+from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+# ---- rounding helpers ----------------------------------------------------------------------
+def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest bfloat16 >= x, for finite x >= 0 (as float32)."""
+    bits = x.float().contiguous().view(torch.int32)
+    truncated = bits & -65536
+    up = torch.where((bits & 0xFFFF) != 0, truncated + 65536, truncated)
+    return up.view(torch.float32)
+
+
+def bf16_round(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even to bfloat16, saturating at the bfloat16 range (as float32)."""
+    return x.float().clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16).float()
+
+
+# ---- bit packing -----------------------------------------------------------------------------
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., D] integer codes in [0, 2**bits) -> [..., D * bits / 8] uint8 (see layout.py)."""
+    d = codes.shape[-1]
+    c = codes.to(torch.int32)
+    if bits == 8:
+        return codes.to(torch.uint8)
+    if bits == 4:
+        return (c[..., : d // 2] | (c[..., d // 2 :] << 4)).to(torch.uint8)
+    if bits == 3:
+        groups = c.unflatten(-1, (d // 8, 8))  # 8 codes -> 24 bits -> 3 bytes
+        word = (groups << (3 * torch.arange(8, dtype=torch.int32, device=c.device))).sum(-1)
+        out = torch.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], -1)
+        return out.flatten(-2).to(torch.uint8)
+    raise ValueError(f"cannot pack {bits}-bit codes; supported: 3, 4, 8")
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of pack_codes: [..., dim * bits / 8] uint8 -> [..., dim] int64 codes."""
+    p = packed.to(torch.int64)
+    if bits == 8:
+        return p
+    if bits == 4:
+        return torch.cat([p & 15, p >> 4], -1)
+    if bits == 3:
+        b = p.unflatten(-1, (dim // 8, 3))
+        word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+        shifts = 3 * torch.arange(8, dtype=torch.int64, device=p.device)
+        return ((word[..., None] >> shifts) & 7).flatten(-2)
+    raise ValueError(f"cannot unpack {bits}-bit codes; supported: 3, 4, 8")
+
+
+# ---- the per-layer constants ---------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyCodec:
+    """Rotation and codebook shared by every head of every layer with this head_dim."""
+
+    rotation: torch.Tensor  # [D, D] float32, orthogonal; rotated = x @ rotation.T
+    centroids: torch.Tensor  # [2**bits] float32 (unit variance), ascending
+    boundaries: torch.Tensor  # [2**bits - 1] float32
+
+
+@functools.lru_cache(maxsize=None)
+def key_codec(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> KeyCodec | None:
+    """The codebook-key constants for (config, head_dim) on `device`; None for FP8 keys."""
+    if not config.uses_codebook:
+        return None
+    book = lloyd_max(head_dim, config.key_bits, device)
+    rot = rotation_matrix(head_dim, config.rotation, config.seed, device)
+    return KeyCodec(rot, book.centroids, book.boundaries)
+
+
+# ---- keys ----------------------------------------------------------------------------------
+def quantize_keys(key: torch.Tensor, config: TurboQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] keys -> (packed codes [..., key_bytes] uint8, scale [...] bfloat16)."""
+    x = key.float()
+    amax = x.abs().amax(-1)
+    nonzero = amax > 0
+    if not config.uses_codebook:
+        scale = torch.where(nonzero, bf16_round_up(amax / FP8_MAX), torch.zeros_like(amax))
+        scaled = x / torch.where(nonzero, scale, torch.ones_like(scale))[..., None]
+        codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+        return codes, scale.to(METADATA_DTYPE)
+    codec = key_codec(config, x.shape[-1], str(x.device))
+    u = x / torch.where(nonzero, amax, torch.ones_like(amax))[..., None]
+    rms_u = u.square().mean(-1).sqrt()
+    y = (u @ codec.rotation.T) / torch.where(nonzero, rms_u, torch.ones_like(rms_u))[..., None]
+    idx = torch.bucketize(y, codec.boundaries)  # = number of boundaries strictly below y
+    scale = amax * rms_u
+    if config.norm_correction:
+        scale = scale / codec.centroids[idx].square().mean(-1).sqrt()
+    return pack_codes(idx, config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
+
+
+def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, config: TurboQuantConfig, head_dim: int) -> torch.Tensor:
+    """(packed codes [..., key_bytes], scale [...]) -> keys [..., D] float32, original space."""
+    if not config.uses_codebook:
+        return codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
+    codec = key_codec(config, head_dim, str(codes.device))
+    c = codec.centroids[unpack_codes(codes, config.key_bits, head_dim)]
+    return (c @ codec.rotation) * scale.float()[..., None]
+
+
+# ---- values --------------------------------------------------------------------------------
+def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., D] values -> (packed codes, scale [...] bf16, mid [...] bf16)."""
+    x = value.float()
+    levels = (1 << bits) - 1
+    amax, amin = x.amax(-1), x.amin(-1)
+    mid = bf16_round(amax / 2 + amin / 2)
+    half_range = torch.maximum(amax - mid, mid - amin)
+    scale = bf16_round_up(half_range / (levels / 2))
+    t = (x - mid[..., None]) / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
+    codes = torch.floor(t + (levels / 2 + 0.5)).clamp(0, levels)
+    return pack_codes(codes, bits), scale.to(METADATA_DTYPE), mid.to(METADATA_DTYPE)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+    levels = (1 << bits) - 1
+    c = unpack_codes(codes, bits, head_dim).float() - levels / 2
+    return mid.float()[..., None] + scale.float()[..., None] * c
+
+
+# ---- the paged pool ------------------------------------------------------------------------
+def store(
+    pool: torch.Tensor,
+    layout: BlockLayout,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
+
+    A slot is block * block_size + offset; negative slots are skipped (padding).
+    """
+    cfg = layout.config
+    keep = slots >= 0
+    key, value, slots = key[keep], value[keep], slots[keep]
+    block, offset = slots // layout.block_size, slots % layout.block_size
+    k_codes, k_scale = quantize_keys(key, cfg)
+    v_codes, v_scale, v_mid = quantize_values(value, cfg.value_bits)
+    layout.key_codes(pool)[block, :, offset] = k_codes
+    layout.value_codes(pool)[block, :, offset] = v_codes
+    meta = layout.metadata(pool)
+    meta[block, :, KEY_SCALE, offset] = k_scale
+    meta[block, :, VALUE_SCALE, offset] = v_scale
+    meta[block, :, VALUE_MID, offset] = v_mid
+
+
+def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize every slot of every row's blocks: (K, V), each [B, H, NB * T, D] float32."""
+    cfg, d = layout.config, layout.head_dim
+    bt = block_table.long()
+
+    def tokens_last(x: torch.Tensor) -> torch.Tensor:  # [B, NB, H, T, ...] -> [B, H, NB*T, ...]
+        return x.transpose(1, 2).flatten(2, 3)
+
+    kc = tokens_last(layout.key_codes(pool)[bt])
+    vc = tokens_last(layout.value_codes(pool)[bt])
+    meta = layout.metadata(pool)[bt]  # [B, NB, H, 3, T]
+    meta = meta.permute(0, 2, 3, 1, 4).flatten(3, 4)  # [B, H, 3, NB*T]
+    k = dequantize_keys(kc, meta[:, :, KEY_SCALE], cfg, d)
+    v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d)
+    return k, v
+
+
+# ---- attention -------------------------------------------------------------------------------
+def attention_mask(
+    num_queries: int,
+    num_keys: int,
+    seq_lens: torch.Tensor,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """[B, Lq, S] bool: which cache positions each query may see.
+
+    Query i of row b sits at position seq_lens[b] - Lq + i (bottom-right aligned: the last
+    query sees the whole cache). Keys before kv_start[b] (left padding) are never seen; a
+    sliding window W keeps keys j with j > position - W.
+    """
+    dev = seq_lens.device
+    j = torch.arange(num_keys, device=dev)
+    pos = seq_lens[:, None].long() - num_queries + torch.arange(num_queries, device=dev)  # [B, Lq]
+    ok = (j[None, None, :] <= pos[..., None]) & (j[None, None, :] < seq_lens[:, None, None])
+    if kv_start is not None:
+        ok &= j[None, None, :] >= kv_start[:, None, None]
+    if sliding_window is not None:
+        ok &= j[None, None, :] > pos[..., None] - sliding_window
+    return ok
+
+
+def dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """fp32 attention. query [B, Hq, Lq, D]; key/value [B, Hk, S, D]; mask [B, Lq, S] bool.
+
+    GQA/MQA by head grouping (query head h reads KV head h // (Hq / Hk)); `sinks` [Hq] are
+    per-head logits that join the softmax denominator without a value; rows that see no key
+    return zeros. Returns float32 [B, Hq, Lq, D].
+    """
+    b, hq, lq, d = query.shape
+    hk = key.shape[1]
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hk})")
+    q = query.float().unflatten(1, (hk, hq // hk))  # [B, Hk, G, Lq, D]
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    m = mask[:, None, None]  # [B, 1, 1, Lq, S]
+    s = s.masked_fill(~m, -math.inf)
+    if sinks is not None:
+        sink = sinks.float().view(1, hk, hq // hk, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, sink], -1)
+    row_max = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, value.float())
+    return out.flatten(1, 2)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    layout: BlockLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Attention of query [B, Hq, Lq, D] over the compressed cache; returns query's dtype.
+
+    Row b's cache holds positions [0, seq_lens[b]) in blocks block_table[b, :]; the queries are
+    its last Lq positions (causal, bottom-right aligned). fp32 throughout. `max_seq_len`, if
+    given, is a host-side upper bound on seq_lens that limits how many blocks are read.
+    """
+    if max_seq_len is not None:
+        block_table = block_table[:, : -(-max_seq_len // layout.block_size)]
+    k, v = gather(pool, layout, block_table)
+    mask = attention_mask(query.shape[2], k.shape[2], seq_lens, kv_start, sliding_window)
+    out = dense_attention(query, k, v, mask, scale, sinks, softcap)
+    return out.to(query.dtype)
