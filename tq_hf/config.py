@@ -49,6 +49,12 @@ class TurboQuantConfig:
     full_precision_layers: layer indices kept in an ordinary dense cache (negative indices count
         from the end). The default keeps the first and last two, which the field found
         necessary at low bit widths; pass () to compress every layer.
+    key_centering: subtract a per-(layer, KV head) channel mean, measured on the layer's first
+        update, from keys before quantizing. Softmax is invariant to the constant q . mean term,
+        so attention needs no correction (except with attention sinks, where it is added back);
+        it removes the large per-channel key biases that dominate the quantization error.
+    value_rotation: rotate values before quantizing them (outliers spread over all channels);
+        the inverse rotation is applied once to the attention output.
     prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
         values (they are compressed into the cache all the same); "compressed" makes it read
         the compressed cache, as decode always does.
@@ -61,6 +67,8 @@ class TurboQuantConfig:
     rotation: str = "hadamard"
     block_size: int = 16
     full_precision_layers: tuple[int, ...] = (0, 1, -2, -1)
+    key_centering: bool = False
+    value_rotation: bool = False
     prefill_attention: str = "exact"
     seed: int = 0
 
@@ -71,9 +79,10 @@ class TurboQuantConfig:
         _check_choice("rotation", self.rotation, ROTATIONS)
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
         _check_choice("prefill_attention", self.prefill_attention, PREFILL_MODES)
-        if not isinstance(self.norm_correction, bool):
-            raise ValueError(f"norm_correction must be a bool, got {self.norm_correction!r}")
-        if not all(isinstance(i, int) for i in self.full_precision_layers):
+        for flag in ("norm_correction", "key_centering", "value_rotation"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.full_precision_layers):
             raise ValueError(
                 f"full_precision_layers must be integer layer indices, got {self.full_precision_layers!r}"
             )
@@ -103,7 +112,8 @@ class TurboQuantConfig:
         lo, hi = HEAD_DIM_RANGE
         if not (lo <= head_dim <= hi and head_dim % HEAD_DIM_MULTIPLE == 0):
             raise ValueError(f"head_dim {head_dim} is not supported; supported: {supported_head_dims()}")
-        if self.uses_codebook and self.rotation == "hadamard" and head_dim & (head_dim - 1):
+        rotates = self.uses_codebook or self.value_rotation
+        if rotates and self.rotation == "hadamard" and head_dim & (head_dim - 1):
             raise ValueError(
                 f"rotation='hadamard' needs a power-of-two head_dim, got {head_dim}; "
                 "use rotation='random' for this model"
@@ -145,5 +155,5 @@ class TurboQuantConfig:
 
 
 def _check_choice(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
+    if value not in allowed or type(value) is not type(allowed[0]):  # 4.0 == 4 and True == 1 are not sizes
         raise ValueError(f"{name}={value!r} is not supported; supported values: {', '.join(map(repr, allowed))}")

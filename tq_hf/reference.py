@@ -12,6 +12,9 @@ Values: mid = bf16(amax/2 + amin/2); scale = roundup_bf16(max(amax - mid, mid - 
     code = clamp(floor((v - mid) / scale + L/2 + 1/2), 0, L);  v_hat = mid + scale (code - L/2),
     with L = 2**bits - 1. Rounding the scale up makes the grid cover the row, so every element
     is within scale/2 of its reconstruction, and no intermediate leaves the float32 range.
+Options (config): key_centering quantizes k - mu (mu: a per-(layer, head) mean held by the
+    cache) and dequantizes back to k_hat + mu; value_rotation quantizes v @ Rv.T and
+    dequantizes (.) @ Rv, with Rv = value_rotation_matrix(config, D).
 """
 
 from __future__ import annotations
@@ -96,15 +99,30 @@ def key_codec(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> K
     return KeyCodec(rot, book.centroids, book.boundaries)
 
 
+def value_rotation_matrix(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> torch.Tensor | None:
+    """Rv for value_rotation (seeded apart from the key rotation); None when the option is off."""
+    if not config.value_rotation:
+        return None
+    return rotation_matrix(head_dim, config.rotation, config.seed + 1, device)
+
+
 # ---- keys ----------------------------------------------------------------------------------
-def quantize_keys(key: torch.Tensor, config: TurboQuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., D] keys -> (packed codes [..., key_bytes] uint8, scale [...] bfloat16)."""
+def quantize_keys(
+    key: torch.Tensor, config: TurboQuantConfig, offset: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., D] keys -> (packed codes [..., key_bytes] uint8, scale [...] bfloat16).
+
+    `offset` (broadcastable to key, e.g. [H, D] for key [N, H, D]) is subtracted first
+    (key_centering).
+    """
     x = key.float()
+    if offset is not None:
+        x = x - offset.float()
     amax = x.abs().amax(-1)
     nonzero = amax > 0
     if not config.uses_codebook:
         scale = torch.where(nonzero, bf16_round_up(amax / FP8_MAX), torch.zeros_like(amax))
-        scaled = x / torch.where(nonzero, scale, torch.ones_like(scale))[..., None]
+        scaled = x / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]  # amax/448 may underflow
         codes = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
         return codes, scale.to(METADATA_DTYPE)
     codec = key_codec(config, x.shape[-1], str(x.device))
@@ -118,19 +136,31 @@ def quantize_keys(key: torch.Tensor, config: TurboQuantConfig) -> tuple[torch.Te
     return pack_codes(idx, config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, config: TurboQuantConfig, head_dim: int) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    config: TurboQuantConfig,
+    head_dim: int,
+    offset: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(packed codes [..., key_bytes], scale [...]) -> keys [..., D] float32, original space."""
     if not config.uses_codebook:
-        return codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
-    codec = key_codec(config, head_dim, str(codes.device))
-    c = codec.centroids[unpack_codes(codes, config.key_bits, head_dim)]
-    return (c @ codec.rotation) * scale.float()[..., None]
+        k = codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
+    else:
+        codec = key_codec(config, head_dim, str(codes.device))
+        c = codec.centroids[unpack_codes(codes, config.key_bits, head_dim)]
+        k = (c @ codec.rotation) * scale.float()[..., None]
+    return k if offset is None else k + offset.float()
 
 
 # ---- values --------------------------------------------------------------------------------
-def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[..., D] values -> (packed codes, scale [...] bf16, mid [...] bf16)."""
+def quantize_values(
+    value: torch.Tensor, bits: int, rotation: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., D] values -> (packed codes, scale [...] bf16, mid [...] bf16); rotated first if given."""
     x = value.float()
+    if rotation is not None:
+        x = x @ rotation.T
     levels = (1 << bits) - 1
     amax, amin = x.amax(-1), x.amin(-1)
     mid = bf16_round(amax / 2 + amin / 2)
@@ -141,10 +171,18 @@ def quantize_values(value: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch
     return pack_codes(codes, bits), scale.to(METADATA_DTYPE), mid.to(METADATA_DTYPE)
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, mid: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
+def dequantize_values(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    mid: torch.Tensor,
+    bits: int,
+    head_dim: int,
+    rotation: torch.Tensor | None = None,
+) -> torch.Tensor:
     levels = (1 << bits) - 1
     c = unpack_codes(codes, bits, head_dim).float() - levels / 2
-    return mid.float()[..., None] + scale.float()[..., None] * c
+    v = mid.float()[..., None] + scale.float()[..., None] * c
+    return v if rotation is None else v @ rotation
 
 
 # ---- the paged pool ------------------------------------------------------------------------
@@ -154,17 +192,20 @@ def store(
     key: torch.Tensor,
     value: torch.Tensor,
     slots: torch.Tensor,
+    key_offset: torch.Tensor | None = None,
 ) -> None:
     """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
 
     A slot is block * block_size + offset; negative slots are skipped (padding).
+    `key_offset` [H, D]: the key_centering mean (None: no centering).
     """
     cfg = layout.config
     keep = slots >= 0
     key, value, slots = key[keep], value[keep], slots[keep]
     block, offset = slots // layout.block_size, slots % layout.block_size
-    k_codes, k_scale = quantize_keys(key, cfg)
-    v_codes, v_scale, v_mid = quantize_values(value, cfg.value_bits)
+    k_codes, k_scale = quantize_keys(key, cfg, key_offset)
+    v_rot = value_rotation_matrix(cfg, layout.head_dim, str(value.device))
+    v_codes, v_scale, v_mid = quantize_values(value, cfg.value_bits, v_rot)
     layout.key_codes(pool)[block, :, offset] = k_codes
     layout.value_codes(pool)[block, :, offset] = v_codes
     meta = layout.metadata(pool)
@@ -173,7 +214,9 @@ def store(
     meta[block, :, VALUE_MID, offset] = v_mid
 
 
-def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather(
+    pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor, key_offset: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize every slot of every row's blocks: (K, V), each [B, H, NB * T, D] float32."""
     cfg, d = layout.config, layout.head_dim
     bt = block_table.long()
@@ -185,8 +228,10 @@ def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor) -
     vc = tokens_last(layout.value_codes(pool)[bt])
     meta = layout.metadata(pool)[bt]  # [B, NB, H, 3, T]
     meta = meta.permute(0, 2, 3, 1, 4).flatten(3, 4)  # [B, H, 3, NB*T]
-    k = dequantize_keys(kc, meta[:, :, KEY_SCALE], cfg, d)
-    v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d)
+    offset = None if key_offset is None else key_offset.float()[None, :, None, :]
+    k = dequantize_keys(kc, meta[:, :, KEY_SCALE], cfg, d, offset)
+    v_rot = value_rotation_matrix(cfg, d, str(pool.device))
+    v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d, v_rot)
     return k, v
 
 
@@ -248,7 +293,8 @@ def dense_attention(
     p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     if sinks is not None:
         p = p[..., :-1]
-    out = torch.einsum("bhgqk,bhkd->bhgqd", p, value.float())
+    # zero values no query of the row sees: unwritten slots may hold NaN bits, and 0 * NaN = NaN
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, value.float().masked_fill(~mask.any(1)[:, None, :, None], 0.0))
     return out.flatten(1, 2)
 
 
@@ -264,6 +310,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     max_seq_len: int | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed cache; returns query's dtype.
 
@@ -273,7 +320,7 @@ def paged_attention(
     """
     if max_seq_len is not None:
         block_table = block_table[:, : -(-max_seq_len // layout.block_size)]
-    k, v = gather(pool, layout, block_table)
+    k, v = gather(pool, layout, block_table, key_offset)
     mask = attention_mask(query.shape[2], k.shape[2], seq_lens, kv_start, sliding_window)
     out = dense_attention(query, k, v, mask, scale, sinks, softcap)
     return out.to(query.dtype)
