@@ -18,6 +18,18 @@ from dataclasses import dataclass
 import torch
 
 _GRID_POINTS = 1 << 17
+
+
+def _ordinary_tensors(fn):
+    """Build cached constants outside inference mode: a tensor created under
+    torch.inference_mode() could not be used by a later forward with autograd on."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return wrapper
 _LLOYD_ITERATIONS = 400
 
 
@@ -39,6 +51,7 @@ def coordinate_density(head_dim: int, t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+@_ordinary_tensors
 def _lloyd_max_cpu(head_dim: int, bits: int) -> Codebook:
     levels = 1 << bits
     # Grid over the scaled coordinate s = sqrt(D) t in [-sqrt(D), sqrt(D)], float64.
@@ -74,6 +87,7 @@ def lloyd_max(head_dim: int, bits: int, device: torch.device | str = "cpu") -> C
 
 
 @functools.lru_cache(maxsize=None)
+@_ordinary_tensors
 def _on_device(book: Codebook, device: str) -> Codebook:
     return Codebook(book.centroids.to(device), book.boundaries.to(device))
 
@@ -98,6 +112,7 @@ def _hadamard(n: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
+@_ordinary_tensors
 def _rotation_cpu(head_dim: int, kind: str, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if kind == "hadamard":
@@ -120,5 +135,6 @@ def rotation_matrix(head_dim: int, kind: str, seed: int, device: torch.device | 
 
 
 @functools.lru_cache(maxsize=None)
+@_ordinary_tensors
 def _rotation_on_device(head_dim: int, kind: str, seed: int, device: str) -> torch.Tensor:
     return _rotation_cpu(head_dim, kind, seed).to(device)

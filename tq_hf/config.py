@@ -16,6 +16,7 @@ BLOCK_SIZES = (16, 32, 64)
 PREFILL_MODES = ("exact", "compressed")
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
+MAX_EXACT_PREFIX = 64  # exact leading tokens per row (a dense side buffer read as one small tile)
 
 # One 16-bit (bfloat16) field each per (token, KV head). bfloat16, not float16: activations of
 # bf16 models exceed 65504, and the format must not turn them into inf.
@@ -55,6 +56,9 @@ class TurboQuantConfig:
         it removes the large per-channel key biases that dominate the quantization error.
     value_rotation: rotate values before quantizing them (outliers spread over all channels);
         the inverse rotation is applied once to the attention output.
+    exact_prefix_tokens: the first real tokens of every row (attention sinks: they draw a large
+        share of every query's attention) are also kept exact, in the model's dtype, and read
+        from there by attention; 0 turns it off.
     prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
         values (they are compressed into the cache all the same); "compressed" makes it read
         the compressed cache, as decode always does.
@@ -69,6 +73,7 @@ class TurboQuantConfig:
     full_precision_layers: tuple[int, ...] = (0, 1, -2, -1)
     key_centering: bool = False
     value_rotation: bool = False
+    exact_prefix_tokens: int = 0
     prefill_attention: str = "exact"
     seed: int = 0
 
@@ -85,6 +90,10 @@ class TurboQuantConfig:
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in self.full_precision_layers):
             raise ValueError(
                 f"full_precision_layers must be integer layer indices, got {self.full_precision_layers!r}"
+            )
+        if not (type(self.exact_prefix_tokens) is int and 0 <= self.exact_prefix_tokens <= MAX_EXACT_PREFIX):
+            raise ValueError(
+                f"exact_prefix_tokens must be an int from 0 to {MAX_EXACT_PREFIX}, got {self.exact_prefix_tokens!r}"
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")

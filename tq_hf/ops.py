@@ -19,14 +19,15 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and os.environ.get("TQ_HF_FORCE_REFERENCE", "0") != "1"
 
 
-def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantize key/value [N, H, D] into slots [N] of pool (negative slots skipped)."""
+def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+          **kwargs) -> None:
+    """Quantize key/value [N, H, D] into slots [N] of pool (negative slots skipped); see reference.store."""
     if use_kernels(pool):
         from .kernels import store_kv
 
-        store_kv(pool, layout, key, value, slots)
+        store_kv(pool, layout, key, value, slots, **kwargs)
     else:
-        reference.store(pool, layout, key, value, slots)
+        reference.store(pool, layout, key, value, slots, **kwargs)
 
 
 def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codebook import lloyd_max, rotation_matrix
+from .codebook import _ordinary_tensors, lloyd_max, rotation_matrix
 from .config import TurboQuantConfig
 from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout
 
@@ -90,6 +90,7 @@ class KeyCodec:
 
 
 @functools.lru_cache(maxsize=None)
+@_ordinary_tensors
 def key_codec(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> KeyCodec | None:
     """The codebook-key constants for (config, head_dim) on `device`; None for FP8 keys."""
     if not config.uses_codebook:
@@ -235,6 +236,17 @@ def gather(
     return k, v
 
 
+def overlay_prefix(dense: torch.Tensor, prefix: torch.Tensor, kv_start: torch.Tensor | None) -> torch.Tensor:
+    """dense [B, H, S, D] with positions kv_start[b] + s (s < P) taken from prefix [B, H, P, D]."""
+    b, _, s_len, _ = dense.shape
+    p = prefix.shape[2]
+    start = torch.zeros(b, dtype=torch.long, device=dense.device) if kv_start is None else kv_start.long()
+    offset = torch.arange(s_len, device=dense.device)[None, :] - start[:, None]  # [B, S]
+    inside = (offset >= 0) & (offset < p)
+    picked = prefix.float().gather(2, offset.clamp(0, p - 1)[:, None, :, None].expand(-1, dense.shape[1], -1, dense.shape[3]))
+    return torch.where(inside[:, None, :, None], picked, dense)
+
+
 # ---- attention -------------------------------------------------------------------------------
 def attention_mask(
     num_queries: int,
@@ -311,16 +323,23 @@ def paged_attention(
     softcap: float | None = None,
     max_seq_len: int | None = None,
     key_offset: torch.Tensor | None = None,
+    prefix_keys: torch.Tensor | None = None,
+    prefix_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed cache; returns query's dtype.
 
     Row b's cache holds positions [0, seq_lens[b]) in blocks block_table[b, :]; the queries are
     its last Lq positions (causal, bottom-right aligned). fp32 throughout. `max_seq_len`, if
     given, is a host-side upper bound on seq_lens that limits how many blocks are read.
+    `prefix_keys`/`prefix_values` [B, Hk, P, D] (exact_prefix_tokens) replace what the pool holds
+    at positions kv_start[b] + s, s < P (see overlay_prefix).
     """
     if max_seq_len is not None:
         block_table = block_table[:, : -(-max_seq_len // layout.block_size)]
     k, v = gather(pool, layout, block_table, key_offset)
+    if prefix_keys is not None:
+        k = overlay_prefix(k, prefix_keys, kv_start)
+        v = overlay_prefix(v, prefix_values, kv_start)
     mask = attention_mask(query.shape[2], k.shape[2], seq_lens, kv_start, sliding_window)
     out = dense_attention(query, k, v, mask, scale, sinks, softcap)
     return out.to(query.dtype)

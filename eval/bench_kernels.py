@@ -1,0 +1,362 @@
+"""Time the TurboQuant kernels next to fp16 torch SDPA (enable_gqa=True) on the same shapes.
+
+One run on a CUDA GPU: decode attention over the compressed pool (B in {1, 16}, S up to 128k,
+(Hq, Hk, D) in {(32, 8, 128), (9, 3, 64)}, presets 4bit/k8v4/k3v4/3bit), causal prefill of
+8k/16k prompts (the cache's exact mode: SDPA + store; and its compressed mode: store + attention
+over the pool), and the cost of storing one decode step's tokens.
+Times are medians of CUDA-graph replays (decode) or eager calls (prefill) with the L2 cache
+flushed before each; GB/s counts the compressed cache bytes the kernel must read.
+
+    python -m eval.bench_kernels [--quick] [--out-dir eval/results]
+    python -m eval.bench_kernels --batches 16 --lengths 32768 --presets 4bit k8v4 k3v4 3bit 4bit+opts \
+        --prefill-lengths 8192 16384 --store-sweep --tag kernels_bench_round2   # a targeted subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+DECODE_SHAPES = [(32, 8, 128), (9, 3, 64)]
+PRESETS = ["4bit", "k8v4", "k3v4", "3bit"]
+MAX_FP16_KV_BYTES = 40 * 2**30  # skip shapes whose fp16 K+V alone would exceed this
+
+
+OPTIONS_SUFFIX = "+opts"  # a preset name ending in this also turns on key_centering and value_rotation
+
+
+def make_config(name: str):
+    """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX."""
+    from tq_hf.config import TurboQuantConfig
+
+    opts = name.endswith(OPTIONS_SUFFIX)
+    preset = name[: -len(OPTIONS_SUFFIX)] if opts else name
+    return TurboQuantConfig.from_preset(preset, block_size=16, key_centering=opts, value_rotation=opts)
+
+
+def _flush_buffer() -> torch.Tensor:
+    return torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+
+def time_ms(fn, reps: int, graph: bool, flush: torch.Tensor) -> float:
+    """Median ms of `fn` over `reps` runs, L2 flushed before each; CUDA-graph replays if graph."""
+    fn()
+    torch.cuda.synchronize()
+    run = fn
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # warm-up on the capture stream
+            with torch.cuda.graph(g, stream=stream):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        run = g.replay
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        run()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _key_offset(layout):
+    """A key_centering mean when the layout's config centres keys, else None."""
+    if not layout.config.key_centering:
+        return None
+    return torch.randn(layout.num_kv_heads, layout.head_dim, device="cuda")
+
+
+def _fill_pool(layout, b: int, s: int, device="cuda", key_offset=None):
+    """Pool + block table holding s random tokens per row (stored by the store kernel)."""
+    from tq_hf.kernels import store_kv
+
+    t = layout.block_size
+    nb_row = -(-s // t)
+    pool = layout.allocate(b * nb_row, device)
+    table = torch.randperm(b * nb_row, device=device, dtype=torch.int64).view(b, nb_row).to(torch.int32)
+    chunk = max(1, (1 << 20) // s)  # rows per store call, ~1M tokens
+    for r0 in range(0, b, chunk):
+        rows = range(r0, min(b, r0 + chunk))
+        pos = torch.arange(s, device=device)
+        slots = torch.cat([table[r].long()[pos // t] * t + pos % t for r in rows])
+        n = slots.numel()
+        k = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=torch.float16)
+        v = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=torch.float16)
+        store_kv(pool, layout, k, v, slots, key_offset=key_offset)
+    return pool, table
+
+
+def bench_decode(args, flush, results):
+    from tq_hf.kernels import unified_attention
+    from tq_hf.layout import BlockLayout
+
+    batches = args.batches or [1, 16]
+    lengths = args.lengths or ([4096, 32768] if args.quick else [1024, 4096, 16384, 32768, 131072])
+    shapes = DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES
+    presets = args.presets or (["4bit", "k8v4"] if args.quick else PRESETS)
+    for hq, hk, d in shapes:
+        for b in batches:
+            for s in lengths:
+                kv_bytes = 2 * b * hk * s * d * 2
+                if kv_bytes > MAX_FP16_KV_BYTES:
+                    results["skipped"].append(f"decode B={b} S={s} {hq}/{hk}/{d}: fp16 K+V {kv_bytes / 2**30:.0f} GiB")
+                    continue
+                q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+                k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+                v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+                sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
+                del k, v
+                row = {"kind": "decode", "B": b, "S": s, "Hq": hq, "Hk": hk, "D": d, "sdpa_fp16_ms": sdpa,
+                       "sdpa_fp16_GBps": kv_bytes / sdpa / 1e6}
+                print(f"decode B={b:2d} S={s:6d} {hq}/{hk}/{d}: sdpa fp16 {sdpa:.4f} ms", flush=True)
+                for preset in presets:
+                    cfg = make_config(preset)
+                    layout = BlockLayout(cfg, hk, d)
+                    mu = _key_offset(layout)
+                    pool, table = _fill_pool(layout, b, s, key_offset=mu)
+                    seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+                    out = torch.empty_like(q)
+                    scale = 1 / math.sqrt(d)
+                    ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,
+                                                           key_offset=mu),
+                                 args.reps, True, flush)
+                    cbytes = b * hk * s * cfg.token_head_bytes(d)
+                    row[preset] = {"ms": ms, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6}
+                    print(f"    {preset:5s} {ms:.4f} ms  x{ms / sdpa:.2f} fp16  {cbytes / ms / 1e6:7.0f} GB/s", flush=True)
+                    del pool, table
+                results["decode"].append(row)
+                torch.cuda.empty_cache()
+
+
+def bench_prefill(args, flush, results):
+    """Causal prefill of one prompt, B=1, 32/8/128, in the cache's two modes.
+
+    exact (the default): torch SDPA over the prompt's own fp16 K/V, then store_kv compresses them;
+    compressed: store_kv, then unified_attention reads the compressed cache.
+    """
+    from tq_hf.kernels import store_kv, unified_attention
+    from tq_hf.layout import BlockLayout
+
+    hq, hk, d = 32, 8, 128
+    lengths = args.prefill_lengths or ([8192] if args.quick else [4096, 8192, 16384])
+    reps = max(5, args.reps // 4)
+    for s in lengths:
+        q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(1, hk, s, d, device="cuda", dtype=torch.float16)
+        v = torch.randn(1, hk, s, d, device="cuda", dtype=torch.float16)
+
+        def sdpa_fn():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        sdpa = time_ms(sdpa_fn, reps, False, flush)
+        row = {"kind": "prefill", "B": 1, "S": s, "Hq": hq, "Hk": hk, "D": d, "sdpa_fp16_ms": sdpa}
+        print(f"prefill S={s}: sdpa fp16 causal {sdpa:.3f} ms", flush=True)
+        kt = k[0].transpose(0, 1).contiguous()  # [S, Hk, D] as the cache receives them
+        vt = v[0].transpose(0, 1).contiguous()
+        for preset in (["4bit"] if args.quick else ["4bit", "k8v4"]):
+            layout = BlockLayout(make_config(preset), hk, d)
+            nb = -(-s // 16)
+            pool = layout.allocate(nb, "cuda")
+            table = torch.arange(nb, device="cuda", dtype=torch.int32)[None]
+            slots = torch.arange(s, device="cuda")
+            seq = torch.tensor([s], device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            scale = 1 / math.sqrt(d)
+
+            def exact_fn():
+                sdpa_fn()
+                store_kv(pool, layout, kt, vt, slots)
+
+            st = time_ms(lambda: store_kv(pool, layout, kt, vt, slots), reps, False, flush)
+            ex = time_ms(exact_fn, reps, False, flush)
+            at = time_ms(lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out),
+                         reps, False, flush)
+            row[preset] = {"store_ms": st, "attention_ms": at, "total_ms": st + at, "ratio_vs_fp16": (st + at) / sdpa,
+                           "exact_ms": ex, "exact_ratio_vs_fp16": ex / sdpa, "store_fraction_of_sdpa": st / sdpa}
+            print(f"    {preset:5s} store {st:.3f} ms ({100 * st / sdpa:.1f}% of fp16 SDPA); exact mode (SDPA + store) "
+                  f"{ex:.3f} ms = x{ex / sdpa:.2f}; compressed mode store + attention {at:.3f} ms = x{(st + at) / sdpa:.2f}",
+                  flush=True)
+        if args.store_sweep:
+            for preset in ("4bit", "k3v4"):
+                layout = BlockLayout(make_config(preset), hk, d)
+                pool = layout.allocate(-(-s // 16), "cuda")
+                slots = torch.arange(s, device="cuda")
+                for block_t in (16, 32, 64, 128):
+                    for warps in (4, 8):
+                        tun = {"block_t": block_t, "num_warps": warps}
+                        try:
+                            ms = time_ms(lambda: store_kv(pool, layout, kt, vt, slots, tuning=tun), reps, False, flush)
+                        except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
+                            print(f"store sweep S={s} {preset} {tun}: failed {type(exc).__name__}", flush=True)
+                            continue
+                        results["tune"].append({"store": s, "preset": preset, **tun, "ms": ms})
+                        print(f"store sweep S={s} {preset} {tun}: {ms:.4f} ms", flush=True)
+        results["prefill"].append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def bench_store_step(args, flush, results):
+    """Store of one decode step's tokens (one per sequence) vs that step's attention, B=16, S=32k."""
+    from tq_hf.config import TurboQuantConfig
+    from tq_hf.kernels import store_kv, unified_attention
+    from tq_hf.layout import BlockLayout
+
+    b, s, (hq, hk, d) = 16, 32768, DECODE_SHAPES[0]
+    for preset in ["4bit", "k8v4"]:
+        layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=16), hk, d)
+        pool, table = _fill_pool(layout, b, s)
+        k = torch.randn(b, hk, d, device="cuda", dtype=torch.float16)
+        slots = table[:, -1].long() * 16 + 15
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+        seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        out = torch.empty_like(q)
+        st = time_ms(lambda: store_kv(pool, layout, k, k, slots), args.reps, True, flush)
+        at = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=s, out=out),
+                     args.reps, True, flush)
+        results["store_step"].append({"preset": preset, "B": b, "S": s, "store_ms": st, "decode_ms": at,
+                                      "store_fraction": st / at})
+        print(f"store step {preset}: {st * 1000:.1f} us vs decode {at * 1000:.1f} us = {100 * st / at:.1f}%", flush=True)
+        del pool, table
+
+
+def bench_tune(args, flush, results):
+    """Sweep launch parameters of the decode kernel at the target shapes (B=16/1, S=32k, 32/8/128)."""
+    from tq_hf.config import TurboQuantConfig
+    from tq_hf.kernels import unified_attention
+    from tq_hf.layout import BlockLayout
+
+    hq, hk, d, s = 32, 8, 128, 32768
+    for b in (16, 1):
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+        for preset in ("4bit", "k8v4"):
+            layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=16), hk, d)
+            pool, table = _fill_pool(layout, b, s)
+            seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+            out = torch.empty_like(q)
+            for splits in ((4, 8) if b == 16 else (32, 64)):
+                for block_n in (64, 128, 256):
+                    for warps in (2, 4):
+                        for stages in (2, 3):
+                            tun = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+                            try:
+                                ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=s,
+                                                                       out=out, num_splits=splits, tuning=tun),
+                                             20, True, flush)
+                            except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
+                                print(f"tune B={b} {preset} splits={splits} {tun}: failed {type(exc).__name__}", flush=True)
+                                continue
+                            results["tune"].append({"B": b, "preset": preset, "splits": splits, **tun, "ms": ms})
+                            print(f"tune B={b} {preset} splits={splits} {tun}: {ms:.4f} ms", flush=True)
+            del pool, table
+    # causal prefill, 8k, attention only
+    s = 8192
+    layout = BlockLayout(TurboQuantConfig.from_preset("4bit", block_size=16), hk, d)
+    pool, table = _fill_pool(layout, 1, s)
+    q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.float16)
+    seq = torch.tensor([s], device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    for block_m, block_n, warps, stages in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 4, 2),
+                                            (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]:
+        tun = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+        try:
+            ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, out=out, tuning=tun), 5, False, flush)
+        except Exception as exc:  # noqa: BLE001
+            print(f"tune prefill {tun}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        results["tune"].append({"prefill": s, **tun, "ms": ms})
+        print(f"tune prefill 8k 4bit {tun}: {ms:.3f} ms", flush=True)
+
+
+def markdown(results) -> str:
+    lines = [f"# Kernel benchmark ({results['gpu']})", "", f"Command: `{results['command']}`  ",
+             f"torch {results['torch']}, triton {results['triton']}, python {results['python']}", "",
+             "## Decode (one query per sequence): ms, ratio to fp16 SDPA, GB/s of compressed bytes", ""]
+    presets = list(dict.fromkeys(p for r in results["decode"] for p in r if isinstance(r[p], dict)))
+    lines.append("| B | S | Hq/Hk/D | fp16 SDPA ms | " + " | ".join(presets) + " |")
+    lines.append("|---|---|---|---|" + "---|" * len(presets))
+    for r in results["decode"]:
+        cells = [f"{r[p]['ms']:.4f} (x{r[p]['ratio_vs_fp16']:.2f}, {r[p]['GBps']:.0f} GB/s)" for p in presets]
+        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']}/{r['D']} | {r['sdpa_fp16_ms']:.4f} | " + " | ".join(cells) + " |")
+    lines += ["", "## Causal prefill incl. store (B=1, 32/8/128)", "",
+              "exact mode (the cache's default): fp16 SDPA over the prompt's own K/V + store_kv; "
+              "compressed mode: store_kv + unified_attention over the compressed cache.", "",
+              "| S | fp16 SDPA ms | preset | mode | store ms | attention ms | total ms | total / fp16 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in results["prefill"]:
+        for p in PRESETS:
+            if p in r:
+                x = r[p]
+                lines.append(f"| {r['S']} | {r['sdpa_fp16_ms']:.3f} | {p} | prefill, exact mode: SDPA + store | "
+                             f"{x['store_ms']:.3f} | (SDPA) | {x['exact_ms']:.3f} | x{x['exact_ratio_vs_fp16']:.2f} |")
+                lines.append(f"| {r['S']} | {r['sdpa_fp16_ms']:.3f} | {p} | prefill, compressed mode | {x['store_ms']:.3f} | "
+                             f"{x['attention_ms']:.3f} | {x['total_ms']:.3f} | x{x['ratio_vs_fp16']:.2f} |")
+    lines += ["", "## Store of one decode step (B=16, S=32k, 32/8/128)", ""]
+    for r in results["store_step"]:
+        lines.append(f"- {r['preset']}: store {r['store_ms'] * 1000:.1f} us, decode attention {r['decode_ms'] * 1000:.1f} us "
+                     f"({100 * r['store_fraction']:.1f}%)")
+    if results["skipped"]:
+        lines += ["", "Skipped: " + "; ".join(results["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a few shapes only (S 4k/32k, 32/8/128, 4bit/k8v4)")
+    ap.add_argument("--tune", action="store_true", help="first sweep decode launch parameters (slow)")
+    ap.add_argument("--reps", type=int, default=40, help="timed repetitions per measurement (median reported)")
+    ap.add_argument("--out-dir", default="eval/results", help="where kernels_bench.json / .md are written")
+    ap.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default 1 16)")
+    ap.add_argument("--lengths", type=int, nargs="*", help="decode cache lengths")
+    ap.add_argument("--presets", nargs="*", help=f"decode presets; suffix {OPTIONS_SUFFIX} adds key_centering + value_rotation")
+    ap.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill prompt lengths")
+    ap.add_argument("--store-sweep", action="store_true", help="sweep store_kv tile sizes at each prefill length")
+    ap.add_argument("--tag", help="output file stem (default kernels_bench, kernels_bench_quick with --quick)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "store", "tune"], help="sections to skip")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA GPU")
+    import triton
+
+    torch.manual_seed(0)
+    results = {"command": "python -m eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "timing": "median of CUDA-graph replays (decode, store step) or eager calls (prefill), L2 flushed",
+               "decode": [], "prefill": [], "store_step": [], "skipped": [], "tune": []}
+    flush = _flush_buffer()
+    t0 = time.time()
+    if args.tune:
+        bench_tune(args, flush, results)
+    if "decode" not in args.skip:
+        bench_decode(args, flush, results)
+    if "prefill" not in args.skip:
+        bench_prefill(args, flush, results)
+    if "store" not in args.skip:
+        bench_store_step(args, flush, results)
+    results["wall_s"] = time.time() - t0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("kernels_bench_quick" if args.quick else "kernels_bench")
+    (out / f"{tag}.json").write_text(json.dumps(results, indent=1))
+    md = markdown(results)
+    (out / f"{tag}.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""generate() speed and KV memory: decode ms/token, prefill time and peak memory vs context and batch.
+
+Caches: fp16 DynamicCache + sdpa (the reference), HF QuantizedCache int4 (quanto, hqq; when
+installed) and TurboQuantCache presets with every layer compressed ("<preset>-all"; the model is
+random-init, so keeping boundary layers exact would only measure a dense cache twice). Model:
+a random-init Llama with Llama-3.1-8B attention and MLP shapes (32 query / 8 KV heads, head_dim
+128, hidden 4096) and few layers (--model random:llama-3.1-8b,layers=8).
+
+One measurement = a fresh cache, then generate() of 1 + --new-tokens tokens from a random
+prompt of S tokens per row (batch B), greedy, no early stop. A logits processor stamps the time
+(after a device sync) at every step: prefill = first stamp - start; decode ms/token = median of
+the step-to-step gaps. Warm-up: --warmup identical runs first, over exactly the lengths timed
+(the first decode at a new KV length can cost ~40 ms while cuDNN SDPA plans that shape). The
+figures are the minimum over --repeats runs. Peak KV-side memory = peak allocated during the run
+minus what was allocated before it (weights), so it includes prefill activations; cache bytes =
+what the cache holds at the end (TurboQuantCache.memory_footprint, or the stored tensors).
+
+--preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
+a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
+seconds-long CPU run on random:tiny (used by the tests). Writes OUT/results.json, OUT/table.md,
+OUT/decode_ms.png and OUT/memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from . import common
+from .plots import lines_vs_context
+
+DEFAULT_CACHES = "fp16,quanto-int4,hqq-int4,4bit-all,k8v4-all,k3v4-all,3bit-all"
+# (batch, context) in run order: the headline points first, so a time budget cuts the sweep only.
+PRESET_SETS = {
+    "full": dict(model="random:llama-3.1-8b,layers=8", new_tokens=32, repeats=2,
+                 points=[(16, 32768), (1, 32768), (8, 8192), (1, 4096), (1, 16384), (16, 4096), (16, 16384)]),
+    "quick": dict(model="random:llama-3.1-8b,layers=4", new_tokens=16, repeats=1,
+                  points=[(1, 4096), (16, 4096), (1, 16384)]),
+    "tiny": dict(model="random:tiny", new_tokens=4, repeats=1, points=[(1, 32), (2, 32), (1, 64)]),
+}
+GIB = 2**30
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.speed", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset-set", default="full", choices=list(PRESET_SETS),
+                   help="model, (batch, context) points, steps and repeats; flags below override")
+    p.add_argument("--model", help="random:<shape> or an HF id/path (default: the preset set's)")
+    p.add_argument("--points", help="override the (batch x context) points, e.g. 1x4096,16x32768")
+    p.add_argument("--caches", default=DEFAULT_CACHES,
+                   help=f"comma-separated caches (fp16 always runs); known: {', '.join(common.cache_names())}")
+    p.add_argument("--new-tokens", type=int, help="timed decode steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="untimed identical runs before the timed ones")
+    p.add_argument("--repeats", type=int, help="timed runs; figures are the minimum")
+    p.add_argument("--time-budget", type=float, default=330.0,
+                   help="seconds; points not started within it are skipped (recorded as such)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                   help="model dtype (default float16 on GPU, float32 on CPU)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--out", default="eval/results/speed", help="output folder")
+    args = p.parse_args(argv)
+    preset = PRESET_SETS[args.preset_set]
+    args.model = args.model or preset["model"]
+    args.new_tokens = args.new_tokens or preset["new_tokens"]
+    args.repeats = args.repeats or preset["repeats"]
+    try:
+        args.points = ([tuple(int(v) for v in x.lower().split("x")) for x in args.points.split(",")]
+                       if args.points else preset["points"])
+    except ValueError:
+        p.error("--points takes BxS pairs, e.g. 1x4096,16x32768")
+    if any(len(pt) != 2 or min(pt) < 1 for pt in args.points) or args.new_tokens < 2 or args.repeats < 1:
+        p.error("points must be positive BxS pairs, --new-tokens >= 2, --repeats >= 1")
+    args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device != "cpu" else torch.float32)
+    return args
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """A logits processor that records a (synchronized) timestamp at every generation step."""
+
+    def __init__(self, device: str):
+        self.device, self.stamps = device, []
+
+    def __call__(self, input_ids, scores):
+        synchronize(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def tensor_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of every tensor reachable from obj (tensor subclasses via their inner tensors)."""
+    seen = set() if seen is None else seen
+    if obj is None or id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
+            names, _ = obj.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(obj, n), seen) for n in names)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(o, seen) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(o, seen) for o in obj.values())
+    return 0
+
+
+def cache_bytes(cache) -> int:
+    """What the cache holds now: memory_footprint() if it reports one, else its stored tensors."""
+    reported = common.footprint(cache)
+    if reported is not None:
+        return reported
+    fields = ("keys", "values", "_quantized_keys", "_quantized_values")
+    return sum(tensor_bytes(getattr(layer, f, None)) for layer in cache.layers for f in fields)
+
+
+def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str) -> dict:
+    """A fresh cache and one generate(); returns prefill s, decode ms/token, memory figures."""
+    from transformers import LogitsProcessorList
+
+    cache = spec.build(model.config)
+    clock = StepClock(device)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
+    synchronize(device)
+    start = time.perf_counter()
+    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1, do_sample=False,
+                   logits_processor=LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None,
+                   **common.with_cache(model, cache))
+    gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+    result = {
+        "prefill_s": clock.stamps[0] - start,
+        "decode_ms_per_token": 1e3 * statistics.median(gaps),
+        "decode_ms_mean": 1e3 * statistics.fmean(gaps),
+        # fake-quant peers store floats; count the packed bytes they stand for
+        "cache_bytes": (prompt.numel() + prompt.shape[0] * (new_tokens + 1)) * spec.bytes_per_token(model.config)
+        if spec.family == "fake-quant peer" else cache_bytes(cache),
+        "peak_kv_side_bytes": (torch.cuda.max_memory_allocated() - before) if device.startswith("cuda") else None,
+    }
+    del cache
+    return result
+
+
+def measure(model, spec, batch: int, context: int, args) -> dict:
+    """Warm-up runs, then the minimum of --repeats timed runs, for one (cache, B, S)."""
+    common.set_attention(model, spec.attn_implementation)
+    g = torch.Generator().manual_seed(batch * 100003 + context)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(0, vocab, (batch, context), generator=g).to(args.device)
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            one_run(model, spec, prompt, args.new_tokens, args.device)
+        runs = [one_run(model, spec, prompt, args.new_tokens, args.device) for _ in range(args.repeats)]
+    best = {k: min(r[k] for r in runs) if runs[0][k] is not None else None for k in runs[0]}
+    fp16_kv = batch * (context + args.new_tokens + 1) * common.cache_spec(common.REFERENCE).bytes_per_token(model.config)
+    best["cache_vs_fp16"] = best["cache_bytes"] / fp16_kv
+    return best
+
+
+def run_points(model, specs, args) -> list[dict]:
+    rows, started = [], time.perf_counter()
+    bar = tqdm(total=len(args.points) * len(specs), desc="speed", unit="run")
+    for batch, context in args.points:
+        for spec in specs:
+            row = {"cache": spec.name, "family": spec.family, "batch": batch, "context": context}
+            bar.set_postfix_str(f"B={batch} S={context} {spec.name}")
+            if time.perf_counter() - started > args.time_budget:
+                row["skipped"] = f"time budget of {args.time_budget:.0f} s spent"
+            else:
+                try:
+                    row.update(measure(model, spec, batch, context, args))
+                except torch.cuda.OutOfMemoryError as exc:
+                    row["skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            bar.update()
+    bar.close()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """decode and memory ratios vs fp16 at the same (B, S)."""
+    ref = {(r["batch"], r["context"]): r for r in rows if r["cache"] == common.REFERENCE and "skipped" not in r}
+    for r in rows:
+        base = ref.get((r["batch"], r["context"]))
+        if base and "skipped" not in r:
+            r["decode_vs_fp16"] = r["decode_ms_per_token"] / base["decode_ms_per_token"]
+            if r["peak_kv_side_bytes"] is not None:
+                r["peak_vs_fp16"] = r["peak_kv_side_bytes"] / base["peak_kv_side_bytes"]
+
+
+def write_outputs(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(out / "results.json", report)
+    rows = report["results"]
+
+    def fmt(r, key, f):
+        return f.format(r[key]) if r.get(key) is not None else "-"
+
+    table = common.markdown_table(
+        ["B", "S", "cache", "decode ms/token", "vs fp16", "prefill s", "peak KV-side GiB", "cache GiB",
+         "cache vs fp16"],
+        [[r["batch"], r["context"], r["cache"], r.get("skipped") or fmt(r, "decode_ms_per_token", "{:.3f}"),
+          fmt(r, "decode_vs_fp16", "{:.2f}x"), fmt(r, "prefill_s", "{:.3f}"),
+          "-" if r.get("peak_kv_side_bytes") is None else f"{r['peak_kv_side_bytes'] / GIB:.2f}",
+          "-" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / GIB:.3f}",
+          fmt(r, "cache_vs_fp16", "{:.3f}")] for r in rows],
+    )
+    head = (f"# generate() speed and KV memory\n\n- model: {report['model']} ({report['dtype']})\n"
+            f"- device: {report['meta']['machine']['cuda_device'] or 'CPU'}\n- method: {report['method']}\n"
+            f"- command: `{report['meta']['command']}`\n")
+    if report["skipped"]:
+        head += "- skipped caches: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items()) + "\n"
+    (out / "table.md").write_text(head + "\n" + table, encoding="utf-8")
+
+    def series(key, scale=1.0):
+        out_series: dict[str, list] = {}
+        for r in rows:
+            if "skipped" not in r and r.get(key) is not None:
+                out_series.setdefault(f"{r['cache']} B={r['batch']}", []).append((r["context"], r[key] * scale))
+        return out_series
+
+    lines_vs_context(out / "decode_ms.png", series("decode_ms_per_token"), "decode ms/token",
+                     f"generate() decode, {report['model']}")
+    memory_key = "peak_kv_side_bytes" if any(r.get("peak_kv_side_bytes") for r in rows) else "cache_bytes"
+    lines_vs_context(out / "memory.png", series(memory_key, 1 / GIB), memory_key.replace("_", " ") + " (GiB)",
+                     f"KV memory, {report['model']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = common.run_metadata("eval.speed", argv)
+    specs, skipped = common.resolve_caches(args.caches)
+    model, _, model_desc = common.load_model(args.model, dtype=args.dtype, device=args.device)
+    model.generation_config.eos_token_id = None  # never stop early: every run decodes the same steps
+    rows = run_points(model, specs, args)
+    add_ratios(rows)
+    report = {
+        "meta": meta, "model": model_desc, "dtype": str(args.dtype), "points": args.points,
+        "new_tokens": args.new_tokens, "warmup": args.warmup, "repeats": args.repeats,
+        "method": (f"generate() of 1 + {args.new_tokens} tokens per run from a random prompt, fresh cache per run; "
+                   f"{args.warmup} warm-up run(s) of identical lengths, min over {args.repeats} timed run(s); decode "
+                   "ms/token = median step gap (synchronized); peak KV-side = peak allocated minus weights"),
+        "skipped": skipped, "results": rows,
+    }
+    write_outputs(Path(args.out), report)
+    print((Path(args.out) / "table.md").read_text())
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""eval.speed on CPU with the tiny preset set: runs end to end and reports consistent figures."""
+
+import json
+
+import pytest
+import torch
+
+from eval import speed
+
+
+def test_tensor_bytes_walks_containers_once():
+    t = torch.zeros(10, dtype=torch.float16)
+    assert speed.tensor_bytes([t, (t, {"a": torch.zeros(3, dtype=torch.uint8)})]) == 20 + 3
+
+
+def test_points_parsing():
+    args = speed.parse_args(["--preset-set", "tiny", "--points", "2x48,1X16"])
+    assert args.points == [(2, 48), (1, 16)] and args.model == "random:tiny"
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--points", "2x"])
+
+
+def test_cli_end_to_end(tmp_path):
+    out = tmp_path / "speed"
+    speed.main(["--preset-set", "tiny", "--caches", "4bit-all,naive-int4", "--out", str(out), "--device", "cpu"])
+    assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "decode_ms.png", "memory.png"}
+    saved = json.loads((out / "results.json").read_text())
+    rows = saved["results"]
+    assert len(rows) == 3 * 3  # points x caches (fp16 added)
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["decode_ms_per_token"] > 0 and r["prefill_s"] > 0 and r["cache_bytes"] > 0
+    fp16 = {(r["batch"], r["context"]): r for r in rows if r["cache"] == "fp16"}
+    for r in rows:
+        base = fp16[(r["batch"], r["context"])]
+        if r["cache"] == "fp16":
+            assert r["decode_vs_fp16"] == 1.0
+            # float32 on CPU: twice the fp16 bytes of B x (S + 5) tokens, 2 layers x 2 heads x 32 dims x K,V
+            assert r["cache_bytes"] == r["batch"] * (r["context"] + 4) * 2 * 2 * 32 * 2 * 4
+        else:
+            assert r["cache_bytes"] < base["cache_bytes"] / 2

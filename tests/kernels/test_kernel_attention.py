@@ -1,0 +1,192 @@
+"""unified_attention against reference.paged_attention on the same packed cache.
+
+Tolerance: relative Frobenius error <= 1e-3 for the kernel's own arithmetic (fp16 tensor-core
+operands, fp32 accumulation) plus the rounding of the output dtype (attention_tolerance).
+Outputs are poisoned with NaN first, so an unwritten element fails the check.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tq_hf import reference
+from tq_hf.kernels import unified_attention
+
+from kernel_helpers import DEVICE, attention_tolerance, default_scale, fill_cache, make_layout, rel_error
+
+
+def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, **kw):
+    pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
+    b = len(lens)
+    query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
+    seq_lens = torch.tensor(lens, device=device)
+    scale = default_scale(layout.head_dim)
+    ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
+    want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale, **ref_kw)
+    out = torch.full_like(query, float("nan"))
+    got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, **kw)
+    assert got is out
+    err, tol = rel_error(got, want), attention_tolerance(dtype, want)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group})"
+    return got, want
+
+
+# decode (one query per row): presets x GQA groups x split / no split, odd and mixed lengths
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_matches_reference(preset, group):
+    layout = make_layout(preset, 2, 64)
+    _check(layout, [1, 37, 123], 1, group)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_split_counts_agree(num_splits):
+    layout = make_layout("4bit", 2, 64)
+    _check(layout, [5, 130, 77], 1, 4, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("head_dim,block_size,dtype", [
+    (128, 16, torch.float16), (96, 32, torch.bfloat16), (256, 64, torch.float32), (32, 16, torch.float16),
+])
+def test_head_dims_block_sizes_dtypes(head_dim, block_size, dtype):
+    layout = make_layout("4bit", 1, head_dim, block_size)
+    _check(layout, [70, 141], 2, 4, dtype=dtype)
+
+
+# prefill / chunked prefill: several row tiles, causal bottom-right alignment
+@pytest.mark.parametrize("preset,group,q_len,lens", [
+    ("4bit", 1, 45, [45, 100]),  # first prefill (Lq == S) and a chunk at the end of a longer cache
+    ("k8v4", 3, 23, [23, 61]),
+    ("3bit", 4, 17, [40]),
+])
+def test_prefill_matches_reference(preset, group, q_len, lens):
+    layout = make_layout(preset, 2, 64)
+    _check(layout, lens, q_len, group)
+
+
+def test_sliding_window_and_sinks():
+    layout = make_layout("4bit", 2, 64)
+    sinks = torch.randn(8, device=DEVICE)
+    _check(layout, [37, 90], 5, 4, sliding_window=9, sinks=sinks)
+    _check(layout, [37, 90], 1, 4, sliding_window=20, sinks=sinks, num_splits=3)
+
+
+def test_kv_start_softcap_and_rows_that_see_nothing():
+    layout = make_layout("k3v4", 2, 64)
+    # row 0: queries at positions 15..19 with kv_start 18 -> the first three see no key -> zeros
+    got, want = _check(layout, [20, 66], 5, 3, kv_start=torch.tensor([18, 3], device=DEVICE), softcap=4.0)
+    assert torch.all(got[0, :, :3] == 0)
+    _check(layout, [20, 66], 1, 3, kv_start=torch.tensor([18, 3], device=DEVICE), num_splits=4)
+
+
+# key_centering + value_rotation: every preset, decode (split path) or a prefill chunk (one split),
+# with sinks and softcap, where the q . mu term does not cancel
+@pytest.mark.parametrize("preset,q_len,num_splits", [("4bit", 1, 3), ("k8v4", 7, 1), ("k3v4", 7, 1), ("3bit", 1, 3)])
+def test_format_options_match_reference(preset, q_len, num_splits):
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    mu = torch.randn(2, 64, device=DEVICE) * 3
+    sinks = torch.randn(8, device=DEVICE)
+    _check(layout, [37, 90], q_len, 4, key_offset=mu, sinks=sinks, softcap=6.0, num_splits=num_splits)
+
+
+def test_key_offset_is_not_dropped():
+    """Without sinks the q . mu term shifts every score of a row equally; with a sink logit of
+    the size of the centred scores, dropping the term moves the output far beyond tolerance."""
+    layout = make_layout("4bit", 1, 64, key_centering=True)
+    mu = torch.randn(1, 64, device=DEVICE) * 10
+    pool, table = fill_cache(layout, [40], DEVICE, key_offset=mu)
+    q = torch.randn(1, 4, 1, 64, device=DEVICE)
+    seq = torch.tensor([40], device=DEVICE)
+    sinks = 0.125 * (q[0, :, 0] @ mu[0]) + math.log(40)  # about the mass of the 40 keys
+    centred = reference.paged_attention(q, pool, layout, table, seq, 0.125, sinks=sinks, key_offset=mu)
+    uncentred = reference.paged_attention(q, pool, layout, table, seq, 0.125, sinks=sinks)
+    assert rel_error(uncentred, centred) > 1e-2  # so the check below can tell them apart
+    got = unified_attention(q, pool, layout, table, seq, 0.125, sinks=sinks, key_offset=mu)
+    assert rel_error(got, centred) <= 1e-3
+
+
+def test_strided_query_and_default_out():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [50], DEVICE)
+    q = torch.randn(1, 3, 8, 64, device=DEVICE).transpose(1, 2)  # [1, 8, 3, 64] non-contiguous
+    seq = torch.tensor([50], device=DEVICE)
+    got = unified_attention(q, pool, layout, table, seq, 0.125, max_seq_len=50)
+    want = reference.paged_attention(q, pool, layout, table, seq, 0.125)
+    assert rel_error(got, want) <= 1e-3
+
+
+def test_attention_rejects_bad_inputs():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [20], DEVICE)
+    q = torch.randn(1, 4, 1, 64, device=DEVICE)
+    seq = torch.tensor([20], device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of the pool's KV heads"):
+        unified_attention(torch.randn(1, 3, 1, 64, device=DEVICE), pool, layout, table, seq, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        unified_attention(torch.randn(1, 4, 1, 32, device=DEVICE), pool, layout, table, seq, 0.1)
+    with pytest.raises(TypeError, match="query has dtype"):
+        unified_attention(q.double(), pool, layout, table, seq, 0.1)
+    with pytest.raises(TypeError, match="block_table has dtype"):
+        unified_attention(q, pool, layout, table.float(), seq, 0.1)
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        unified_attention(q, pool, layout, table, torch.tensor([20, 3], device=DEVICE), 0.1)
+    with pytest.raises(ValueError, match="sinks must be"):
+        unified_attention(q, pool, layout, table, seq, 0.1, sinks=torch.zeros(2, device=DEVICE))
+    with pytest.raises(ValueError, match="sliding_window"):
+        unified_attention(q, pool, layout, table, seq, 0.1, sliding_window=0)
+    with pytest.raises(ValueError, match="out must be"):
+        unified_attention(q, pool, layout, table, seq, 0.1, out=torch.empty(1, 4, 2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="pool must be"):
+        unified_attention(q, pool[:, :1], layout, table, seq, 0.1)
+    with pytest.raises(ValueError, match="key_offset must be"):
+        unified_attention(q, pool, layout, table, seq, 0.1, key_offset=torch.zeros(4, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="workspace"):
+        unified_attention(q, pool, layout, table, seq, 0.1, num_splits=2, workspace=torch.empty(3, device=DEVICE))
+
+
+# ---- real sizes on the GPU ----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_32k_gpu(preset, dtype):
+    layout = make_layout(preset, 8, 128)
+    _check(layout, [32768, 32768 - 77], 1, 4, dtype=dtype, device="cuda", max_seq_len=32768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_8k_gpu(dtype):
+    layout = make_layout("4bit", 2, 128)
+    _check(layout, [8192], 8192, 4, dtype=dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+def test_format_options_32k_gpu(preset):
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    mu = torch.randn(8, 128, device="cuda") * 3
+    sinks = torch.randn(32, device="cuda")
+    _check(layout, [32768, 32768 - 77], 1, 4, dtype=torch.bfloat16, device="cuda", max_seq_len=32768,
+           key_offset=mu, sinks=sinks, softcap=30.0)
+    _check(layout, [2048], 2048, 4, dtype=torch.float16, device="cuda", key_offset=mu, sinks=sinks, softcap=30.0)
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_capture_gpu():
+    layout = make_layout("4bit", 8, 128)
+    pool, table = fill_cache(layout, [4000, 1234, 9], "cuda")
+    seq = torch.tensor([4000, 1234, 9], device="cuda")
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)  # warm-up: compile + workspace
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    want = reference.paged_attention(q, pool, layout, table, seq, 0.088)
+    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())

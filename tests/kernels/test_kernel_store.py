@@ -1,0 +1,140 @@
+"""store_kv against reference.store: the bytes must be equal (see compare_pools for the one
+tolerated difference), on CPU through the Triton interpreter or on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_hf import reference
+from tq_hf.kernels import store_kv
+
+from kernel_helpers import DEVICE, compare_pools, make_layout
+
+PRESETS = ["4bit", "k8v4", "k3v4", "3bit"]
+
+
+def _inputs(n: int, layout, dtype, device=DEVICE):
+    h, d = layout.num_kv_heads, layout.head_dim
+    key = torch.randn(n, h, d, device=device) * torch.rand(n, h, 1, device=device).mul(8)
+    value = torch.randn(n, h, d, device=device) * 3 + torch.randn(n, h, 1, device=device)
+    key[1] = 0.0  # all-zero rows: zero scales
+    value[2] = 0.0
+    value[3, 0] = 7.0  # constant row
+    if dtype != torch.float16:
+        key[4, -1] *= 1e6  # beyond fp16 range: bf16 models produce these
+        value[4, -1] *= 1e6
+    slots = torch.randperm(n + 20, device=device)[:n]
+    slots[5] = -1  # padding token: skipped
+    return key.to(dtype), value.to(dtype), slots
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("head_dim,dtype,block_size", [
+    (64, torch.float16, 16), (96, torch.bfloat16, 32), (128, torch.float32, 64), (32, torch.bfloat16, 16),
+])
+def test_store_bytes_match_reference(preset, head_dim, dtype, block_size):
+    layout = make_layout(preset, 3, head_dim, block_size)
+    n = 37
+    key, value, slots = _inputs(n, layout, dtype)
+    num_blocks = (n + 20) // block_size + 1
+    got = layout.allocate(num_blocks, DEVICE)
+    got.fill_(0xA5)  # poison: every byte the kernel should write is compared
+    want = got.clone()
+    store_kv(got, layout, key, value, slots)
+    reference.store(want, layout, key, value, slots)
+    flips = compare_pools(got, want, layout, key, slots)
+    print(f"{preset} D={head_dim} {dtype}: {flips} boundary code flips")
+
+
+def _key_mean(layout, device=DEVICE) -> torch.Tensor:
+    """A key_centering mean with large per-channel biases, as real models have."""
+    return torch.randn(layout.num_kv_heads, layout.head_dim, device=device) * 5
+
+
+# key_centering and value_rotation, every preset (k8v4 included), an odd head_dim on random rotations
+@pytest.mark.parametrize("preset,head_dim,dtype", [
+    ("4bit", 64, torch.float16), ("k8v4", 64, torch.bfloat16), ("k3v4", 64, torch.float32),
+    ("3bit", 64, torch.float16), ("k8v4", 96, torch.float32), ("4bit", 96, torch.bfloat16),
+])
+def test_store_format_options_match_reference(preset, head_dim, dtype):
+    layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
+    n = 29
+    key, value, slots = _inputs(n, layout, dtype)
+    mu = _key_mean(layout)
+    key = (key.float() + mu).to(dtype)
+    key[1] = mu.to(dtype)  # centres to (nearly) zero: zero scale path
+    got = layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5)
+    want = got.clone()
+    store_kv(got, layout, key, value, slots, key_offset=mu)
+    reference.store(want, layout, key, value, slots, key_offset=mu)
+    compare_pools(got, want, layout, key.float() - mu, slots, value=value)
+
+
+def test_store_non_contiguous_inputs_and_int32_slots():
+    layout = make_layout("4bit", 2, 64)
+    n = 19
+    key = torch.randn(2, n, 64, device=DEVICE).transpose(0, 1)  # [n, 2, 64], strided
+    value = torch.randn(n, 4, 64, device=DEVICE)[:, ::2]
+    slots = torch.arange(n, device=DEVICE, dtype=torch.int32) + 3
+    got, want = layout.allocate(3, DEVICE), layout.allocate(3, DEVICE)
+    store_kv(got, layout, key, value, slots)
+    reference.store(want, layout, key, value, slots.long())
+    compare_pools(got, want, layout, key, slots.long())
+
+
+def test_store_rejects_bad_inputs():
+    layout = make_layout("4bit", 2, 64)
+    pool = layout.allocate(2, DEVICE)
+    k = torch.randn(4, 2, 64, device=DEVICE)
+    s = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match="key must be"):
+        store_kv(pool, layout, torch.randn(4, 3, 64, device=DEVICE), k, s)
+    with pytest.raises(TypeError, match="dtype"):
+        store_kv(pool, layout, k.double(), k, s)
+    with pytest.raises(ValueError, match="agree on N"):
+        store_kv(pool, layout, k, k, s[:3])
+    with pytest.raises(TypeError, match="slots has dtype"):
+        store_kv(pool, layout, k, k, s.float())
+    with pytest.raises(ValueError, match="last"):
+        store_kv(pool, layout, torch.randn(4, 2, 128, device=DEVICE)[..., ::2], k, s)
+    with pytest.raises(ValueError, match="pool must be"):
+        store_kv(make_layout("k8v4", 2, 64).allocate(2, DEVICE), layout, k, k, s)
+    with pytest.raises(TypeError, match="layout"):
+        store_kv(pool, "4bit", k, k, s)
+    with pytest.raises(ValueError, match="key_offset must be"):
+        store_kv(pool, layout, k, k, s, key_offset=torch.zeros(2, 32, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_store_real_size_gpu(preset, dtype):
+    layout = make_layout(preset, 8, 128)
+    n = 8192 + 5
+    key, value, slots = _inputs(n, layout, dtype, device="cuda")
+    got = layout.allocate((n + 20) // 16 + 1, "cuda").fill_(0x5A)
+    want = got.cpu()
+    store_kv(got, layout, key, value, slots)
+    # the spec runs on CPU: torch's CUDA division by a Python scalar multiplies by its reciprocal,
+    # so reference.store on CUDA tensors can round a value scale differently from the spec
+    reference.store(want, layout, key.cpu(), value.cpu(), slots.cpu())
+    got, key, slots = got.cpu(), key.cpu(), slots.cpu()
+    flips = compare_pools(got, want, layout, key, slots)
+    print(f"{preset} {dtype} N={n}: {flips} boundary code flips of {n * 8 * 128}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", PRESETS)
+def test_store_format_options_real_size_gpu(preset):
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    n = 8192 + 5
+    key, value, slots = _inputs(n, layout, torch.bfloat16, device="cuda")
+    mu = _key_mean(layout, "cuda")
+    key = (key.float() + mu).to(torch.bfloat16)
+    got = layout.allocate((n + 20) // 16 + 1, "cuda").fill_(0x5A)
+    want = got.cpu()
+    store_kv(got, layout, key, value, slots, key_offset=mu)
+    reference.store(want, layout, key.cpu(), value.cpu(), slots.cpu(), key_offset=mu.cpu())
+    flips = compare_pools(got.cpu(), want, layout, key.cpu().float() - mu.cpu(), slots.cpu(), value=value.cpu())
+    print(f"{preset} options N={n}: {flips} boundary code flips of {n * 8 * 128}")

@@ -1,0 +1,211 @@
+"""Tiny random-init models of each supported family, and the fake-quantized DynamicCache that
+TurboQuantCache must match exactly (shared by test_cache, test_attention and test_generate)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+import tq_hf  # noqa: E402,F401  (registers "turboquant")
+from tq_hf import reference  # noqa: E402
+from tq_hf.config import TurboQuantConfig  # noqa: E402
+
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine thread hand-offs
+# made each forward ~100x slower (12.6 s vs 0.1 s for one 10-token generate).
+torch.set_num_threads(1)
+
+VOCAB = 96
+WINDOW = 6  # sliding window short enough that test prompts exceed it
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, initializer_range=0.15,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+)
+_ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention"]
+
+
+def _config(family: str):
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig,
+                              Qwen2Config)
+
+    if family == "llama":
+        return LlamaConfig(**_COMMON)
+    if family == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=WINDOW)
+    if family == "qwen2":  # q/k/v projections carry biases
+        return Qwen2Config(**_COMMON)
+    if family == "gemma2":  # softcapped logits, query_pre_attn_scalar != head_dim, sliding + global layers
+        return Gemma2Config(**_COMMON, sliding_window=WINDOW, attn_logit_softcapping=20.0,
+                            final_logit_softcapping=30.0, query_pre_attn_scalar=20, layer_types=_ALTERNATING)
+    if family == "gemma3":
+        return Gemma3TextConfig(**_COMMON, sliding_window=WINDOW, query_pre_attn_scalar=20,
+                                layer_types=_ALTERNATING)
+    if family == "gpt_oss":  # attention sinks (s_aux), sliding + full layers, MoE
+        cfg = dict(_COMMON, intermediate_size=64)
+        return GptOssConfig(**cfg, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+                            layer_types=_ALTERNATING)
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "gpt_oss")
+
+
+def tiny_model(family: str, attn: str = "turboquant", dtype=torch.float32, device="cpu", seed: int = 0):
+    """A tiny random-init causal LM (fp32 by default), in eval mode, deterministic per seed."""
+    config = _config(family)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    if family == "gpt_oss":  # sinks init to zero-ish; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    if hasattr(model.config, "qwen2") or family == "qwen2":
+        with torch.no_grad():  # biases start at zero; give them real values
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # fixed-length outputs: rows compare position by position
+    return model.to(device).eval()
+
+
+def tq_config(**overrides) -> TurboQuantConfig:
+    """4bit with the middle layer of the 3 compressed and the last kept dense (both kinds exercised)."""
+    return TurboQuantConfig.from_preset(overrides.pop("preset", "4bit"), full_precision_layers=(-1,), **overrides)
+
+
+# ---- the independent reference: DynamicCache with quantize-dequantized K/V -----------------------
+def fake_quantize(key: torch.Tensor, value: torch.Tensor, cfg: TurboQuantConfig, key_offset=None):
+    """What the compressed cache reconstructs for these K/V [B, H, L, D] (float32).
+
+    key_offset [H, D]: the key_centering mean (None: no centering).
+    """
+    d = key.shape[-1]
+    offset = None if key_offset is None else key_offset[:, None, :]
+    v_rot = reference.value_rotation_matrix(cfg, d)
+    k_codes, k_scale = reference.quantize_keys(key, cfg, offset)
+    v_codes, v_scale, v_mid = reference.quantize_values(value, cfg.value_bits, v_rot)
+    return (reference.dequantize_keys(k_codes, k_scale, cfg, d, offset),
+            reference.dequantize_values(v_codes, v_scale, v_mid, cfg.value_bits, d, v_rot))
+
+
+class FakeQuantLayer(DynamicLayer):
+    """Stores quantize-dequantized K/V; a first prefill in "exact" mode attends over the exact ones.
+
+    exact_prefix_tokens: an exact copy of the history is kept too, and positions
+    kv_start[b] + s (s < P) are read from it, as the compressed cache reads its exact prefix.
+    """
+
+    def __init__(self, cfg: TurboQuantConfig, cache: "FakeQuantCache"):
+        super().__init__()
+        self.cfg = cfg
+        self.cache = cache
+        self.key_offset = None
+        self.exact = DynamicLayer() if cfg.exact_prefix_tokens else None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first = self.get_seq_length() == 0
+        if self.cfg.key_centering and self.key_offset is None:  # independent of cache.py: the spec's mean
+            self.key_offset = key_states.float().mean(dim=(0, 2))
+        k, v = fake_quantize(key_states.cpu(), value_states.cpu(), self.cfg,
+                             None if self.key_offset is None else self.key_offset.cpu())
+        k, v = k.to(key_states.device), v.to(key_states.device)
+        keys, values = super().update(k.to(key_states.dtype), v.to(value_states.dtype))
+        if self.exact is not None:
+            exact_k, exact_v = self.exact.update(key_states, value_states)
+            start = self.cache.kv_start_for(keys.shape[0]).to(keys.device)
+            keys = _prefix_from(keys, exact_k, start, self.cfg.exact_prefix_tokens)
+            values = _prefix_from(values, exact_v, start, self.cfg.exact_prefix_tokens)
+        if first and self.cfg.prefill_attention == "exact":
+            return key_states, value_states
+        return keys, values
+
+    def crop(self, max_length):
+        super().crop(max_length)
+        if self.exact is not None:
+            self.exact.crop(max_length)
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        if self.exact is not None:
+            self.exact.reorder_cache(beam_idx)
+
+
+def _prefix_from(quantized, exact, start, p):
+    """quantized [B, H, S, D] with positions start[b] + s (s < p) taken from exact (a plain loop)."""
+    out = quantized.clone()
+    for b in range(out.shape[0]):
+        lo = int(start[b])
+        out[b, :, lo : lo + p] = exact[b, :, lo : lo + p]
+    return out
+
+
+class FakeQuantCache(DynamicCache):
+    """DynamicCache whose compressed layers (per cfg) hold exactly what TurboQuantCache reconstructs.
+
+    padding_mask [B, S] (the prompt's 2-D attention mask) gives each row's first real position for
+    exact_prefix_tokens; rows expanded by generate() (beams, num_return_sequences) repeat it.
+    """
+
+    def __init__(self, model_config, cfg: TurboQuantConfig, padding_mask=None):
+        n = model_config.num_hidden_layers
+        dense = cfg.full_precision_layer_set(n)
+        super().__init__()
+        self.layers = [DynamicLayer() if i in dense else FakeQuantLayer(cfg, self) for i in range(n)]
+        self.layer_class_to_replicate = None
+        self.kv_start = None if padding_mask is None else (padding_mask == 0).int().cumprod(-1).sum(-1)
+
+    def kv_start_for(self, rows: int) -> torch.Tensor:
+        if self.kv_start is None:
+            return torch.zeros(rows, dtype=torch.long)
+        return self.kv_start.repeat_interleave(rows // self.kv_start.shape[0])
+
+
+# ---- generate() helpers that work on transformers 5.17 and >= 5.24 --------------------------------
+NEW_CACHE_KWARG = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 24)
+
+
+def with_cache(cache) -> dict:
+    """generate/forward kwargs passing `cache` (renamed from past_key_values in 5.24)."""
+    return {"cache": cache} if NEW_CACHE_KWARG else {"past_key_values": cache}
+
+
+def generate(model, input_ids, attention_mask=None, cache=None, **kwargs):
+    """Greedy by default; returns (sequences, per-step logits [steps, B, V])."""
+    kwargs = {"max_new_tokens": 8, "do_sample": False, **kwargs}
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, return_dict_in_generate=True,
+                         output_logits=True, **(with_cache(cache) if cache is not None else {}), **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+def left_padded_batch(lengths, seed: int = 0, device="cpu"):
+    """Random prompts of the given lengths, left padded with 0: (input_ids, attention_mask, prompts)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device), [p.to(device) for p in prompts]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0, what: str = ""):
+    """allclose with a message saying where and by how much it failed."""
+    assert actual.shape == expected.shape, f"{what}: shape {list(actual.shape)} != {list(expected.shape)}"
+    a, e = actual.float(), expected.float()
+    bad = ~torch.isclose(a, e, atol=atol, rtol=rtol) | (a.isnan() != e.isnan())
+    if bad.any():
+        err = (a - e).abs().nan_to_num(float("inf"))
+        idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} elements differ beyond atol={atol} rtol={rtol}; "
+            f"max |diff| {float(err.max()):.3g}; first at {idx}: {float(a[idx]):.6g} vs {float(e[idx]):.6g}"
+        )

@@ -1,0 +1,156 @@
+"""The "turboquant" attention and mask functions: fallback semantics, the compressed path on
+odd shapes against reference math, and the errors users get."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from models import FAMILIES, assert_close, fake_quantize, left_padded_batch, tiny_model, tq_config, with_cache
+from transformers import DynamicCache, LlamaConfig
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from tq_hf import TurboQuantCache, TurboQuantConfig, reference
+from tq_hf.attention import PADDING_ATTRIBUTE, turboquant_attention_forward, turboquant_mask
+from tq_hf.cache import STEP_ATTRIBUTE
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Forwards as in inference. (With grad enabled, codec constants that another test first built
+    under torch.inference_mode fail autograd: reference.key_codec caches inference tensors.)"""
+    with torch.no_grad():
+        yield
+
+
+def test_import_registers_attention_and_mask():
+    assert ALL_ATTENTION_FUNCTIONS["turboquant"] is turboquant_attention_forward
+    assert ALL_MASK_ATTENTION_FUNCTIONS["turboquant"] is turboquant_mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_turboquant_cache_it_matches_eager(family):
+    """Fallback = HF semantics (sdpa, or eager math for softcap/sinks), padded batch, with and without cache."""
+    ids, mask, _ = left_padded_batch([11, 4, 8], seed=1)
+    ours, eager = tiny_model(family, "turboquant"), tiny_model(family, "eager")
+    real = mask.bool()[:, :, None]
+    for kwargs in ({}, with_cache(DynamicCache())):
+        kwargs2 = with_cache(DynamicCache()) if kwargs else {}
+        got = ours(input_ids=ids, attention_mask=mask, **kwargs).logits
+        want = eager(input_ids=ids, attention_mask=mask, **kwargs2).logits
+        assert_close(got * real, want * real, atol=2e-5, rtol=1e-5, what=f"{family} logits (real tokens)")
+
+
+# ---- the compressed path on its own -------------------------------------------------------------------
+def module(groups: int):
+    return SimpleNamespace(is_causal=True, training=False, num_key_value_groups=groups)
+
+
+@pytest.mark.parametrize("rows,prompt,decode", [(5, 123, 3), (1, 17, 1), (2, 64, 2)])
+@pytest.mark.parametrize("features", [
+    {}, {"sliding_window": 7}, {"softcap": 5.0}, {"sinks": True}, {"padding": True},
+    {"sliding_window": 20, "softcap": 30.0, "sinks": True, "padding": True},
+])
+def test_compressed_attention_matches_reference_math(rows, prompt, decode, features):
+    """Queries over the pool == reference.dense_attention over the fake-quantized K/V (fp32)."""
+    hq, hk, d = 6, 2, 64
+    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed")
+    llama = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
+                        num_hidden_layers=1, vocab_size=8, intermediate_size=8)
+    llama._attn_implementation = "turboquant"
+    cache = TurboQuantCache(llama, tq_config=cfg)
+    window, softcap = features.get("sliding_window"), features.get("softcap")
+    sinks = torch.randn(hq) if features.get("sinks") else None
+    pads = torch.randint(0, prompt // 2, (rows,)) if features.get("padding") else torch.zeros(rows, dtype=torch.long)
+    real = torch.arange(prompt)[None, :] >= pads[:, None]
+    all_k = all_v = None
+    for step, n in enumerate([prompt] + [1] * decode):
+        k, v, q = torch.randn(rows, hk, n, d) * 2, torch.randn(rows, hk, n, d), torch.randn(rows, hq, n, d) * 2
+        qk, qv = fake_quantize(k, v, cfg)
+        all_k = qk if all_k is None else torch.cat([all_k, qk], 2)
+        all_v = qv if all_v is None else torch.cat([all_v, qv], 2)
+        if step:
+            real = torch.cat([real, torch.ones(rows, 1, dtype=torch.bool)], 1)
+        s = all_k.shape[2]
+        hf_mask = turboquant_mask(batch_size=rows, q_length=n, kv_length=s, q_offset=s - n, kv_offset=0,
+                                  mask_function=_causal(window), attention_mask=real, local_size=window)
+        key, value = cache.update(k, v, 0)
+        assert getattr(key, STEP_ATTRIBUTE).layer is cache.layers[0]
+        out, weights = turboquant_attention_forward(module(hq // hk), q, key, value, hf_mask, scaling=0.11,
+                                                    sliding_window=window, softcap=softcap, s_aux=sinks)
+        assert weights is None
+        seq = torch.full((rows,), s)
+        ref_mask = reference.attention_mask(n, s, seq, pads, window)
+        want = reference.dense_attention(q, all_k, all_v, ref_mask, 0.11, sinks, softcap)
+        assert_close(out, want.transpose(1, 2), atol=2e-5, rtol=1e-5, what=f"step {step} {features}")
+    kv_start = cache.layers[0].kv_start  # None when HF skipped the mask: nothing was padded
+    assert (kv_start.tolist() if kv_start is not None else [0] * rows) == pads.tolist()
+
+
+def _causal(window):
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+    return causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+
+
+def test_padding_inside_rows_falls_back_to_the_full_mask():
+    """A 2-D mask with holes (not a left-pad prefix) still gives HF semantics."""
+    model = tiny_model("llama")
+    cfg = tq_config(prefill_attention="compressed")
+    ids, mask, _ = left_padded_batch([10, 10], seed=3)
+    mask[0, 4] = 0  # a hole in the middle of row 0
+    from models import FakeQuantCache
+
+    cache = TurboQuantCache(model.config, tq_config=cfg)
+    got = model(input_ids=ids, attention_mask=mask, **with_cache(cache)).logits
+    want = model(input_ids=ids, attention_mask=mask, **with_cache(FakeQuantCache(model.config, cfg))).logits
+    assert cache.layers[1].needs_full_mask
+    real = mask.bool()[:, :, None]
+    assert_close(got * real, want * real, atol=2e-5, rtol=1e-5, what="holes in the padding mask")
+
+
+def test_mask_function_never_skips_at_decode_and_carries_padding():
+    real = torch.ones(2, 9, dtype=torch.bool)
+    decode = turboquant_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8, attention_mask=real)
+    assert decode is not None and decode.shape == (2, 1, 1, 9)
+    assert getattr(decode, PADDING_ATTRIBUTE) is real
+    assert turboquant_mask(batch_size=2, q_length=9, kv_length=9, attention_mask=real) is None  # like sdpa
+
+
+# ---- no state leaks -----------------------------------------------------------------------------
+def test_no_state_survives_into_a_forward_without_the_cache():
+    model = tiny_model("gemma3")
+    ids, mask, _ = left_padded_batch([9, 6], seed=2)
+    before = model(input_ids=ids, attention_mask=mask).logits
+    cache = TurboQuantCache(model.config, tq_config=tq_config(prefill_attention="compressed"))
+    with_tq = model(input_ids=ids, attention_mask=mask, **with_cache(cache)).logits
+    after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(before, after)
+    real = mask.bool()[:, :, None]
+    assert (with_tq * real - before * real).abs().max() > 1e-3  # the cache really changed the attention
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+def test_output_attentions_is_rejected_by_name():
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([5], seed=0)
+    for kwargs in ({}, with_cache(TurboQuantCache(model.config, tq_config=tq_config()))):
+        with pytest.raises(ValueError, match="output_attentions"):
+            model(input_ids=ids, attention_mask=mask, output_attentions=True, **kwargs)
+
+
+def test_cross_attention_and_training_dropout_are_rejected_over_the_cache():
+    llama = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+                        num_hidden_layers=1, vocab_size=8, intermediate_size=8)
+    llama._attn_implementation = "turboquant"
+    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed")
+    q = torch.randn(1, 2, 3, 64)
+    for mod, kwargs, message in (
+        (SimpleNamespace(is_causal=False, training=False, num_key_value_groups=1), {}, "cross-attention"),
+        (SimpleNamespace(is_causal=True, training=True, num_key_value_groups=1), {"dropout": 0.1}, "dropout"),
+    ):
+        key, value = TurboQuantCache(llama, tq_config=cfg).update(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), 0)
+        with pytest.raises(ValueError, match=message):
+            turboquant_attention_forward(mod, q, key, value, None, **kwargs)

@@ -1,0 +1,281 @@
+"""TurboQuantCache as a container: what it stores, how rows move, how it grows, what it costs.
+
+The expected contents are always the reference quantize-dequantize of the K/V fed in
+(tests/models.fake_quantize), never numbers copied from the implementation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from models import assert_close, fake_quantize
+from transformers import DynamicCache, LlamaConfig, Llama4TextConfig
+
+from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
+from tq_hf.cache import GROWTH_DIVISOR, MIN_GROWTH_BLOCKS, TurboQuantLayer
+from tq_hf.layout import BlockLayout
+
+HEADS, DIM = 3, 64
+
+
+def llama_config(layers: int = 2, kv_heads: int = HEADS, head_dim: int = DIM, attn: str = "turboquant"):
+    cfg = LlamaConfig(hidden_size=96 * kv_heads, num_attention_heads=2 * kv_heads, num_key_value_heads=kv_heads,
+                      head_dim=head_dim, num_hidden_layers=layers, vocab_size=32, intermediate_size=64)
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def new_cache(layers=2, attn="turboquant", **cfg) -> TurboQuantCache:
+    tq = TurboQuantConfig.from_preset(cfg.pop("preset", "4bit"), full_precision_layers=cfg.pop("fp", ()), **cfg)
+    return TurboQuantCache(llama_config(layers, attn=attn), tq_config=tq)
+
+
+def kv(rows: int, tokens: int, heads: int = HEADS, dim: int = DIM):
+    return torch.randn(rows, heads, tokens, dim) * 3, torch.randn(rows, heads, tokens, dim)
+
+
+class Expected:
+    """The dense fake-quantized history that a layer must reproduce."""
+
+    def __init__(self, cfg: TurboQuantConfig):
+        self.cfg = cfg
+        self.k = self.v = None
+
+    def add(self, k, v):
+        qk, qv = fake_quantize(k, v, self.cfg)
+        self.k = qk if self.k is None else torch.cat([self.k, qk], 2)
+        self.v = qv if self.v is None else torch.cat([self.v, qv], 2)
+
+    def check(self, layer: TurboQuantLayer, what: str):
+        k, v = layer.dequantized()
+        assert layer.get_seq_length() == self.k.shape[2]
+        assert_close(k, self.k, atol=0, what=f"{what}: keys")
+        assert_close(v, self.v, atol=0, what=f"{what}: values")
+
+
+# ---- construction ---------------------------------------------------------------------------------
+def test_constructor_arguments():
+    cfg = llama_config(4)
+    assert TurboQuantCache(cfg).tq_config == TurboQuantConfig.from_preset("4bit")
+    assert TurboQuantCache(cfg, preset="k8v4").tq_config.key_bits == 8
+    cache = TurboQuantCache(cfg, tq_config=TurboQuantConfig(full_precision_layers=(0, -1)))
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["DynamicLayer", "TurboQuantLayer", "TurboQuantLayer", "DynamicLayer"]
+    with pytest.raises(ValueError, match="either preset or tq_config"):
+        TurboQuantCache(cfg, preset="4bit", tq_config=TurboQuantConfig())
+    with pytest.raises(ValueError, match="unknown preset"):
+        TurboQuantCache(cfg, preset="2bit")
+    with pytest.raises(TypeError, match="TurboQuantConfig"):
+        TurboQuantCache(cfg, tq_config={"key_bits": 4})
+    with pytest.raises(ValueError, match="max_cache_tokens"):
+        TurboQuantCache(cfg, max_cache_tokens=0)
+    with pytest.raises(ValueError, match="head_dim 40"):
+        TurboQuantCache(llama_config(head_dim=40))
+    with pytest.raises(ValueError, match="out of range"):
+        TurboQuantCache(cfg, tq_config=TurboQuantConfig(full_precision_layers=(7,)))
+
+
+def test_rejects_unsupported_layer_types():
+    cfg = Llama4TextConfig(num_hidden_layers=2, attention_chunk_size=8, head_dim=64)
+    with pytest.raises(ValueError, match="chunked"):
+        TurboQuantCache(cfg)
+
+
+def test_wrong_shapes_and_batch_changes_are_rejected():
+    cache = new_cache()
+    with pytest.raises(ValueError, match="KV heads"):
+        cache.update(*kv(2, 4, heads=HEADS + 1), 0)
+    cache = new_cache()
+    cache.update(*kv(2, 4), 0)
+    with pytest.raises(ValueError, match="batch size changed"):
+        cache.update(*kv(3, 1), 0)
+
+
+# ---- storage ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "3bit"])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_stored_tokens_dequantize_to_the_reference(preset, block_size):
+    """Odd chunk sizes across block boundaries; a pool poisoned with 0xFF shows any unwritten slot."""
+    cache = new_cache(preset=preset, block_size=block_size)
+    layer = cache.layers[1]
+    expected = Expected(cache.tq_config)
+    rows, chunks = 5, [37, 1, 1, 23, 1, 64]
+    k, v = kv(rows, chunks[0])
+    cache.update(k, v, 1)
+    expected.add(k, v)
+    layer._reserve(sum(chunks))
+    poison = layer.pool.clone().fill_(255)
+    n = -(-chunks[0] // block_size) * rows  # blocks already written (whole blocks per row)
+    poison[:n] = layer.pool[:n]
+    layer.pool.copy_(poison)
+    for c in chunks[1:]:
+        k, v = kv(rows, c)
+        out_k, out_v = cache.update(k, v, 1)
+        assert out_k is k and out_v is v  # the turboquant attention reads the pool, not a dense copy
+        expected.add(k, v)
+    expected.check(layer, f"{preset}, block {block_size}")
+    assert cache.get_seq_length(1) == sum(chunks)
+    assert cache.get_mask_sizes(1, 1) == (sum(chunks) + 1, 0)
+
+
+def test_other_attention_implementations_get_the_dequantized_history():
+    cache = new_cache(attn="sdpa", prefill_attention="compressed")
+    expected = Expected(cache.tq_config)
+    for n in (7, 1, 1):
+        k, v = kv(2, n)
+        out_k, out_v = cache.update(k, v, 0)
+        expected.add(k, v)
+        assert_close(out_k, expected.k, atol=0, what="dense keys")
+        assert_close(out_v, expected.v, atol=0, what="dense values")
+    exact = new_cache(attn="sdpa", prefill_attention="exact")
+    k, v = kv(2, 9)
+    out_k, out_v = exact.update(k, v, 0)
+    assert out_k is k and out_v is v  # the first prefill attends over the exact prompt
+
+
+def test_full_precision_layers_are_dense():
+    cache = new_cache(layers=3, fp=(0, -1))
+    k, v = kv(2, 5)
+    out_k, _ = cache.update(k, v, 0)
+    assert torch.equal(out_k, k) and isinstance(cache.layers[2], type(cache.layers[0]))
+    assert isinstance(cache.layers[1], TurboQuantLayer)
+
+
+# ---- moving rows ----------------------------------------------------------------------------------
+def fill(cache, layer_idx=0, rows=4, prompt=21, decode=3):
+    expected = Expected(cache.tq_config)
+    for n in [prompt] + [1] * decode:
+        k, v = kv(rows, n)
+        cache.update(k, v, layer_idx)
+        expected.add(k, v)
+    return expected
+
+
+def test_reorder_cache_with_duplicated_and_dropped_beams():
+    cache = new_cache()
+    expected = fill(cache)
+    layer = cache.layers[0]
+    layer.kv_start = torch.tensor([0, 3, 5, 7], dtype=torch.int32)
+    beam_idx = torch.tensor([2, 2, 0, 1])
+    cache.reorder_cache(beam_idx)
+    expected.k, expected.v = expected.k[beam_idx], expected.v[beam_idx]
+    expected.check(layer, "after reorder")
+    assert layer.kv_start.tolist() == [5, 5, 0, 3]
+    for _ in range(20):  # beams keep diverging and crossing block boundaries after the reorder
+        k, v = kv(4, 1)
+        cache.update(k, v, 0)
+        expected.add(k, v)
+        perm = torch.randint(0, 4, (4,))
+        cache.reorder_cache(perm)
+        expected.k, expected.v = expected.k[perm], expected.v[perm]
+    expected.check(layer, "after diverging beams")
+
+
+def test_batch_select_and_repeat_interleave():
+    cache = new_cache()
+    expected = fill(cache)
+    layer = cache.layers[0]
+    cache.batch_repeat_interleave(3)
+    expected.k, expected.v = expected.k.repeat_interleave(3, 0), expected.v.repeat_interleave(3, 0)
+    assert layer.rows == 12 and layer.block_table.shape[0] == 12
+    expected.check(layer, "after repeat_interleave")
+    keep = torch.tensor([11, 0, 5])
+    cache.batch_select_indices(keep)
+    expected.k, expected.v = expected.k[keep], expected.v[keep]
+    k, v = kv(3, 30)
+    cache.update(k, v, 0)
+    expected.add(k, v)
+    expected.check(layer, "after select + more tokens")
+
+
+def test_crop_then_continue():
+    cache = new_cache()
+    expected = fill(cache, prompt=33, decode=2)
+    cache.crop(-4)  # what assisted decoding does after rejecting candidates
+    expected.k, expected.v = expected.k[:, :, :-4], expected.v[:, :, :-4]
+    expected.check(cache.layers[0], "after crop(-4)")
+    cache.crop(20)  # transformers < 5.18: a positive value is the length to keep
+    expected.k, expected.v = expected.k[:, :, :20], expected.v[:, :, :20]
+    k, v = kv(4, 5)
+    cache.update(k, v, 0)
+    expected.add(k, v)
+    expected.check(cache.layers[0], "after crop(20) + 5 tokens")
+    assert cache.layers[0].seq_lens.tolist() == [25] * 4
+
+
+def test_reset_empties_and_accepts_a_new_batch():
+    cache = new_cache()
+    fill(cache)
+    assert cache.memory_footprint() > 0
+    cache.reset()
+    assert cache.get_seq_length(0) == 0 and cache.memory_footprint() == 0
+    expected = fill(cache, rows=2, prompt=5, decode=1)
+    expected.check(cache.layers[0], "after reset")
+
+
+def test_capacity_bound_raises_a_clear_error():
+    tq = TurboQuantConfig(full_precision_layers=())
+    cache = TurboQuantCache(llama_config(1), tq_config=tq, max_cache_tokens=2 * 32)
+    cache.update(*kv(2, 30), 0)
+    cache.update(*kv(2, 2), 0)  # 32 per row: exactly full
+    with pytest.raises(TurboQuantCacheFullError, match="max_cache_tokens=64"):
+        cache.update(*kv(2, 1), 0)
+
+
+# ---- memory -------------------------------------------------------------------------------------------
+def test_pool_is_exact_after_prefill_and_grows_geometrically():
+    cache = new_cache()
+    layer = cache.layers[0]
+    block_bytes = BlockLayout(cache.tq_config, HEADS, DIM).block_bytes
+    cache.update(*kv(3, 100), 0)
+    assert layer.memory_footprint() == math.ceil(100 / 16) * 3 * block_bytes
+    reallocations, pool = 0, layer.pool
+    for _ in range(400):
+        cache.update(*kv(3, 1), 0)
+        if layer.pool is not pool:
+            reallocations, pool = reallocations + 1, layer.pool
+        slack = layer.capacity - math.ceil(layer.length / 16)
+        assert slack <= max(MIN_GROWTH_BLOCKS, layer.capacity // GROWTH_DIVISOR)
+    assert 2 <= reallocations <= 8
+
+
+def fp16_dynamic_bytes(layers, rows, tokens, kv_heads, head_dim) -> int:
+    cache = DynamicCache()
+    for i in range(layers):
+        cache.update(torch.zeros(rows, kv_heads, tokens, head_dim, dtype=torch.float16),
+                     torch.zeros(rows, kv_heads, tokens, head_dim, dtype=torch.float16), i)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+@pytest.mark.parametrize("decode", [0, 40])
+def test_4bit_footprint_is_under_030_of_fp16(decode):
+    """4bit, head_dim 128, every layer compressed: <= 0.30x an fp16 DynamicCache of the same tokens."""
+    layers, rows, prompt, kv_heads = 2, 2, 1000, 2
+    cfg = llama_config(layers, kv_heads=kv_heads, head_dim=128)
+    cache = TurboQuantCache(cfg, tq_config=TurboQuantConfig.from_preset("4bit", full_precision_layers=()))
+    for n in [prompt] + [1] * decode:
+        for i in range(layers):
+            cache.update(torch.randn(rows, kv_heads, n, 128), torch.randn(rows, kv_heads, n, 128), i)
+    fp16 = fp16_dynamic_bytes(layers, rows, prompt + decode, kv_heads, 128)
+    assert cache.fp16_equivalent_bytes() == fp16
+    ratio = cache.memory_footprint() / fp16
+    assert ratio <= 0.30, f"footprint {ratio:.3f}x of fp16"
+    assert ratio >= cache.tq_config.compression_vs_fp16(128)  # cannot beat the format itself
+    assert f"({ratio:.3f}x)" in cache.summary()
+
+
+def test_default_boundary_layers_ratio(capsys):
+    """Report: with the default full-precision boundary layers (fp16 model), a 32-layer 8x128 model."""
+    layers, rows, tokens = 32, 1, 256
+    cfg = llama_config(layers, kv_heads=8, head_dim=128)
+    cache = TurboQuantCache(cfg, preset="4bit")
+    for i in range(layers):
+        shape = (rows, 8, tokens, 128)
+        cache.update(torch.randn(shape, dtype=torch.float16), torch.randn(shape, dtype=torch.float16), i)
+    ratio = cache.memory_footprint() / fp16_dynamic_bytes(layers, rows, tokens, 8, 128)
+    expected = (28 * cache.tq_config.compression_vs_fp16(128) + 4) / 32
+    assert abs(ratio - expected) < 1e-9, (ratio, expected)
+    with capsys.disabled():
+        print(f"\n[memory] 4bit, 32 layers, default boundary layers (0, 1, -2, -1) dense fp16: {ratio:.3f}x fp16")

@@ -1,0 +1,161 @@
+"""The "turboquant" attention and mask functions for transformers' AttentionInterface.
+
+With a TurboQuantCache the key tensor handed to the attention function carries a LayerStep
+(see cache.py): the queries then attend over the compressed pool through ops.paged_attention
+(Triton on CUDA, reference.py elsewhere), except a first prefill in "exact" mode, which attends
+over the prompt's own K/V with HF's mask. With any other cache, or none, this is sdpa-equivalent
+math (eager-equivalent where sdpa lacks the feature: logit softcapping, attention sinks).
+
+The mask function is HF's sdpa mask with two changes: at decode (one query) it never takes the
+host-syncing "is the mask skippable" shortcut, and a materialized mask carries the 2-D padding
+mask it was built from, so the attention function can find each row's first real position.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import ops, reference
+from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, LayerStep
+
+PADDING_ATTRIBUTE = "_turboquant_padding"  # attribute of a mask tensor: the 2-D padding mask [B, S] bool
+DENSE_SCORE_BUDGET = 1 << 26  # fp32 scores per chunk of the dense fallback (256 MiB)
+
+
+def turboquant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, Hq, Lq, D], key/value [B, Hk, S, D] -> ([B, Lq, Hq, D], None)."""
+    sinks = kwargs.pop("s_aux", None)  # gpt_oss attention sinks, one logit per query head
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "attn_implementation='turboquant' does not return attention weights (output_attentions=True); "
+            "load the model with attn_implementation='eager' to inspect them"
+        )
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("attn_implementation='turboquant' does not support position_bias (relative attention bias)")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    step: LayerStep | None = getattr(key, STEP_ATTRIBUTE, None)
+    if step is None or step.exact:
+        if step is not None:
+            _refresh_padding(step, attention_mask, query.shape[0])
+            step.layer.fill_prefix(key, value, step.start)
+        return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
+                                       softcap, sinks, is_causal, **kwargs)
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal or getattr(module, "is_cross_attention", False):
+        raise ValueError("TurboQuantCache supports causal self-attention only (cross-attention or non-causal "
+                         "attention was requested)")
+    if dropout and module.training:
+        raise ValueError("attention dropout is not supported over a TurboQuantCache (the model is in training mode)")
+    layer = step.layer
+    if step.refresh_padding:
+        _refresh_padding(step, attention_mask, query.shape[0])
+    layer.fill_prefix(key, value, step.start)
+    if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
+        k, v = layer.dequantized()
+        mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
+        out = _chunked_dense(query, k, v, mask, scale, sinks, softcap).to(query.dtype)
+    else:
+        out = ops.paged_attention(
+            query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
+            kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+            max_seq_len=layer.length, key_offset=layer.key_offset,
+            **({} if layer.prefix_keys is None else {"prefix_keys": layer.prefix_keys,
+                                                    "prefix_values": layer.prefix_values}),
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window, softcap,
+                            sinks, is_causal, **kwargs) -> tuple[torch.Tensor, None]:
+    """HF semantics over dense K/V: sdpa when it can, eager-equivalent fp32 math for softcap/sinks."""
+    if softcap is None and sinks is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
+                                      is_causal=is_causal, **kwargs)
+    if dropout and module.training:
+        raise ValueError("attn_implementation='turboquant' does not support attention dropout together with "
+                         "softcapping or attention sinks; use attn_implementation='eager' for training")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    mask = _bool_mask(attention_mask, query, key.shape[2], sliding_window, causal)
+    out = _chunked_dense(query, key, value, mask, scale, sinks, softcap)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _bool_mask(attention_mask: torch.Tensor | None, query: torch.Tensor, num_keys: int,
+               sliding_window: int | None, causal: bool) -> torch.Tensor:
+    """HF's 4-D mask (bool or additive float; None = plain causal) as [B, Lq, S] bool."""
+    b, _, lq, _ = query.shape
+    if attention_mask is None:
+        if not causal:
+            return torch.ones(b, lq, num_keys, dtype=torch.bool, device=query.device)
+        lens = torch.full((b,), num_keys, device=query.device)
+        return reference.attention_mask(lq, num_keys, lens, sliding_window=sliding_window)
+    if attention_mask.dim() != 4 or attention_mask.shape[1] != 1:
+        raise ValueError(f"expected a [batch, 1, queries, keys] attention mask, got {list(attention_mask.shape)}")
+    mask = attention_mask[:, 0, :, :num_keys]
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask.to(query.device).expand(b, lq, num_keys)
+
+
+def _chunked_dense(query, key, value, mask, scale, sinks, softcap) -> torch.Tensor:
+    """reference.dense_attention over query chunks, so the fp32 scores stay within DENSE_SCORE_BUDGET."""
+    b, hq, lq, _ = query.shape
+    chunk = max(1, DENSE_SCORE_BUDGET // max(1, b * hq * key.shape[2]))
+    parts = [
+        reference.dense_attention(query[:, :, i : i + chunk], key, value, mask[:, i : i + chunk], scale, sinks, softcap)
+        for i in range(0, lq, chunk)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
+def _refresh_padding(step: LayerStep, attention_mask: torch.Tensor | None, rows: int) -> None:
+    """Derive each row's first real position from this prefill-like forward's mask (on device).
+
+    The one host read here (is the padding a prefix of every row?) happens on prefill only.
+    """
+    if attention_mask is None:  # HF skips the mask only when nothing is padded
+        step.layer.set_padding(None, contiguous=True, max_start=0)
+        return
+    real = getattr(attention_mask, PADDING_ATTRIBUTE, None)
+    if real is None:  # mask built elsewhere (or moved across devices): columns anybody may see
+        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        real = m.any(1).any(1)
+    real = real.bool().expand(rows, -1)
+    steps = real.to(torch.int8).diff(dim=-1)
+    leading_pads = (~real).int().cumprod(-1).sum(-1)
+    # one host read: is the padding a prefix of every row (0...0 1...1), and the largest prefix
+    contiguous, max_start = torch.stack([(steps >= 0).all().int(), leading_pads.max()]).tolist()
+    step.layer.set_padding(leading_pads, bool(contiguous), max_start)
+
+
+def turboquant_mask(*args, **kwargs) -> torch.Tensor | None:
+    """HF's sdpa mask; never host-synced at decode; carries the 2-D padding mask it was built from."""
+    if kwargs.get("q_length") == 1:
+        kwargs["allow_is_causal_skip"] = False
+    mask = sdpa_mask(*args, **kwargs)
+    padding = kwargs.get("attention_mask")
+    if mask is not None and padding is not None and padding.dim() == 2:
+        setattr(mask, PADDING_ATTRIBUTE, padding)
+    return mask
+
+
+def register() -> None:
+    """Make attn_implementation="turboquant" available to every transformers model."""
+    ALL_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, turboquant_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, turboquant_mask)

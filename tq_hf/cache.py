@@ -1,0 +1,400 @@
+"""TurboQuantCache: a transformers `Cache` whose layers keep K/V compressed in a paged pool.
+
+Why this shape: every row of an HF batch has the same cache length (left padding included), so
+logical block i of row b lives at physical block i * B + b. The block table is then a pure
+function of (capacity, B); growing the pool is a prefix copy; beam reorders, batch selection and
+repeats are one gather of the pool viewed as [capacity, B, H, plane]; crop only lowers the length.
+Nothing on the decode path reads a device value on the host.
+
+Left padding stays in the cache (positions and `get_seq_length` keep HF's meaning) but is never
+attended: each row's first real position (`kv_start`) is derived on device from the attention
+mask of prefill-like forwards and handed to the kernel.
+
+How the attention function finds the compressed layer: `update()` returns the new tokens' own
+key/value tensors with a `LayerStep` attached as an attribute of the key tensor. The reference
+lives and dies with that tensor, so no later forward without this cache can pick it up. When the
+model runs another attention implementation, `update()` instead returns the dequantized history
+as ordinary dense K/V (slow, but correct).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from . import ops, reference
+from .config import TurboQuantConfig
+from .layout import BlockLayout
+
+ATTENTION_NAME = "turboquant"  # the attn_implementation that reads the compressed pool directly
+STEP_ATTRIBUTE = "_turboquant_step"  # attribute of the key tensor update() returns
+GROWTH_DIVISOR = 16  # grow a pool by >= 1/16 of its capacity: <= 6.25% slack, O(16) copies per doubling
+MIN_GROWTH_BLOCKS = 4  # ... and by at least this many blocks, so small caches do not copy every block
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class TurboQuantCacheFullError(RuntimeError):
+    """The cache would exceed its `max_cache_tokens` bound."""
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """What one update() hands the attention function for one layer and one forward.
+
+    exact: attend over the new tokens' exact K/V (the first prefill with prefill_attention="exact").
+    refresh_padding: a prefill-like forward (several new tokens, or the first): re-derive the
+        rows' first real positions from this forward's attention mask.
+    """
+
+    layer: "TurboQuantLayer"
+    exact: bool
+    refresh_padding: bool
+    start: int  # position of the first new token
+
+
+class TurboQuantLayer(CacheLayerMixin):
+    """One attention layer's compressed K/V: a uint8 pool [capacity * rows, H, plane_bytes]."""
+
+    is_sliding = False  # keeps the whole history; the kernel applies any window
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, layout: BlockLayout, max_cache_tokens: int | None = None):
+        super().__init__()
+        self.layout = layout
+        self.max_cache_tokens = max_cache_tokens
+        self._clear()
+
+    def _clear(self) -> None:
+        self.pool: torch.Tensor | None = None
+        self.length = 0  # tokens per row, pads included (HF's cache length)
+        self.rows = 0
+        self.capacity = 0  # blocks per row
+        self.block_table: torch.Tensor | None = None  # [rows, capacity] int32
+        self.seq_lens: torch.Tensor | None = None  # [rows] int32, == length (persistent, filled in place)
+        self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
+        self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
+        self.key_offset: torch.Tensor | None = None  # [H, D] float32 key_centering mean, from the first update
+        self.prefix_keys: torch.Tensor | None = None  # [rows, H, P, D] exact first real tokens (exact_prefix_tokens)
+        self.prefix_values: torch.Tensor | None = None
+        self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
+        self.is_initialized = False
+
+    # ---- CacheLayerMixin --------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        expected = (self.layout.num_kv_heads, self.layout.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if t.dim() != 4 or (t.shape[1], t.shape[3]) != expected:
+                raise ValueError(
+                    f"{name} must be [batch, {expected[0]} KV heads, tokens, head_dim {expected[1]}] for this "
+                    f"cache (built from the model config), got {list(t.shape)}"
+                )
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, dense: bool = False,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compress and store the new tokens; see the module docstring for what is returned."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, heads, new, dim = key_states.shape
+        was_empty = self.length == 0
+        if was_empty:
+            self._start_batch(rows)
+        elif rows != self.rows:
+            raise ValueError(
+                f"batch size changed from {self.rows} to {rows} on a non-empty TurboQuantCache; call reset(), "
+                "batch_select_indices() or batch_repeat_interleave() first"
+            )
+        start = self.length
+        self._reserve(start + new)
+        slots = self._slots(start, new)
+        if was_empty and self.layout.config.exact_prefix_tokens:
+            shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
+            self.prefix_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
+            self.prefix_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
+            self.prefix_fill_until = self.layout.config.exact_prefix_tokens
+        if self.layout.config.key_centering and self.key_offset is None:
+            self.key_offset = key_states.float().mean(dim=(0, 2))  # per KV head, over the first tokens
+        ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
+                  key_offset=self.key_offset)
+        self.length = start + new
+        self.seq_lens.fill_(self.length)
+
+        exact = was_empty and self.layout.config.prefill_attention == "exact"
+        if dense:  # another attention implementation: padding unknown, the prefix counts from position 0
+            self.fill_prefix(key_states, value_states, start)
+            return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
+        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start))
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def offload(self) -> None:  # the pool stays where its layer runs
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many trailing tokens. Positive (transformers < 5.18): keep that many."""
+        if tokens_to_remove > 0:
+            new_length = min(tokens_to_remove, self.length)
+        else:
+            new_length = max(self.length + tokens_to_remove, 0)
+        if new_length != self.length:
+            self.length = new_length
+            self.seq_lens.fill_(new_length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().squeeze(-1)
+        self._select_rows(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.pool is not None:
+            self._select_rows(torch.arange(self.rows, device=self.device).repeat_interleave(repeats))
+
+    # ---- what the attention function reads ------------------------------------------------------
+    def set_padding(self, kv_start: torch.Tensor | None, contiguous: bool, max_start: int = 0) -> None:
+        """Record each row's first real position (None: no padding); non-contiguous padding is sticky.
+
+        max_start (host int): the largest first real position, which bounds where prefix tokens arrive.
+        """
+        self.kv_start = None if kv_start is None else kv_start.to(self.device, torch.int32)
+        self.needs_full_mask = self.needs_full_mask or not contiguous
+        if self.prefix_keys is not None:
+            self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
+
+    def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """Copy the new tokens that are among each row's first P real tokens into the exact prefix.
+
+        Runs only while such tokens can still arrive (a host-side bound), so decode pays nothing.
+        """
+        if self.prefix_keys is None or start >= self.prefix_fill_until:
+            return
+        rows, heads, new, dim = key_states.shape
+        p = self.prefix_keys.shape[2]
+        first = torch.zeros(rows, dtype=torch.long, device=self.device) if self.kv_start is None else self.kv_start.long()
+        idx = first[:, None] + torch.arange(p, device=self.device)[None, :] - start  # [rows, P] into the new tokens
+        arrived = ((idx >= 0) & (idx < new))[:, None, :, None]
+        index = idx.clamp(0, new - 1)[:, None, :, None].expand(rows, heads, p, dim)
+        for dst, src in ((self.prefix_keys, key_states), (self.prefix_values, value_states)):
+            dst.copy_(torch.where(arrived, src.gather(2, index).to(dst.dtype), dst))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole history as dense K/V [rows, H, length, D] (for other attention implementations)."""
+        used = -(-self.length // self.layout.block_size)
+        k, v = reference.gather(self.pool, self.layout, self.block_table[:, :used], self.key_offset)
+        if self.prefix_keys is not None:
+            k = reference.overlay_prefix(k, self.prefix_keys, self.kv_start)
+            v = reference.overlay_prefix(v, self.prefix_values, self.kv_start)
+        return k[:, :, : self.length].to(dtype), v[:, :, : self.length].to(dtype)
+
+    def memory_footprint(self) -> int:
+        tensors = (self.pool, self.prefix_keys, self.prefix_values)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # ---- paging ------------------------------------------------------------------------------------
+    def _start_batch(self, rows: int) -> None:
+        """An empty layer takes a (new) batch size; an existing pool is reinterpreted, not copied."""
+        if rows != self.rows:
+            self.rows = rows
+            self.capacity = 0 if self.pool is None else self.pool.shape[0] // rows
+            self.pool = None if self.pool is None else self.pool[: self.capacity * rows]
+            self._rebuild_tables()
+        self.kv_start = None
+        self.needs_full_mask = False
+
+    def _reserve(self, tokens: int) -> None:
+        """Make room for `tokens` per row: exact when empty, then geometric growth by a prefix copy."""
+        needed = -(-tokens // self.layout.block_size)
+        if needed <= self.capacity:
+            return
+        limit = None
+        if self.max_cache_tokens is not None:
+            limit = self.max_cache_tokens // (self.rows * self.layout.block_size)
+            if needed > limit:
+                raise TurboQuantCacheFullError(
+                    f"TurboQuantCache needs {needed * self.layout.block_size} tokens per row x {self.rows} rows "
+                    f"but max_cache_tokens={self.max_cache_tokens} allows {limit * self.layout.block_size} per row; "
+                    "raise max_cache_tokens or shorten the generation"
+                )
+        grown = needed if self.pool is None else max(needed, self.capacity + max(MIN_GROWTH_BLOCKS, self.capacity // GROWTH_DIVISOR))
+        grown = grown if limit is None else min(grown, limit)
+        pool = self.layout.allocate(grown * self.rows, self.device)
+        if self.pool is not None:
+            pool[: self.pool.shape[0]].copy_(self.pool)
+        self.pool, self.capacity = pool, grown
+        self._rebuild_tables()
+
+    def _rebuild_tables(self) -> None:
+        """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
+        rows = torch.arange(self.rows, device=self.device, dtype=torch.int32)
+        blocks = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
+        self.block_table = blocks[None, :] * self.rows + rows[:, None]
+        self.seq_lens = torch.full((self.rows,), self.length, dtype=torch.int32, device=self.device)
+        self._row_slots = rows.long() * self.layout.block_size  # slot of (block 0, offset 0) of each row
+
+    def _slots(self, start: int, count: int) -> torch.Tensor:
+        """Slots [rows * count] (row-major) of positions start .. start + count - 1 of every row.
+
+        Position p of row r: block (p // T) * rows + r, offset p % T.
+        """
+        t = self.layout.block_size
+        if count == 1:  # decode: one add to a persistent buffer
+            return self._row_slots + ((start // t) * self.rows * t + start % t)
+        pos = torch.arange(start, start + count, device=self.device)
+        return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
+
+    def _select_rows(self, indices: torch.Tensor) -> None:
+        """Rows become self[indices] (beam reorder, batch select, repeat): one gather of the used blocks."""
+        if self.pool is None:
+            return
+        indices = indices.to(self.device)
+        new_rows = indices.shape[0]
+        used = -(-self.length // self.layout.block_size)
+        plane = self.pool.shape[1:]
+        old = self.pool.view(self.capacity, self.rows, *plane)
+        pool = self.layout.allocate(self.capacity * new_rows, self.device)
+        torch.index_select(old[:used], 1, indices, out=pool.view(self.capacity, new_rows, *plane)[:used])
+        self.pool = pool
+        if self.kv_start is not None:
+            self.kv_start = self.kv_start.index_select(0, indices)
+        if self.prefix_keys is not None:
+            self.prefix_keys = self.prefix_keys.index_select(0, indices)
+            self.prefix_values = self.prefix_values.index_select(0, indices)
+        if new_rows != self.rows:
+            self.rows = new_rows
+            self._rebuild_tables()
+
+
+def _tokens_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [B * L, H, D] (row-major over batch then position, as _slots orders them)."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
+
+
+class TurboQuantCache(Cache):
+    """A transformers Cache that stores K/V in the TurboQuant format.
+
+    Args:
+        config: the model's config (`model.config`); its text config gives layers, heads and
+            head_dim, and its `_attn_implementation` decides what `update()` returns.
+        preset: a preset name ("k8v4", "4bit", "k3v4", "3bit"); "4bit" when neither is given.
+        tq_config: a full TurboQuantConfig instead of a preset.
+        max_cache_tokens: optional bound on tokens per layer summed over the batch; exceeding it
+            raises TurboQuantCacheFullError.
+    """
+
+    def __init__(self, config, preset: str | None = None, tq_config: TurboQuantConfig | None = None,
+                 max_cache_tokens: int | None = None):
+        if tq_config is not None and preset is not None:
+            raise ValueError("pass either preset or tq_config, not both")
+        if tq_config is None:
+            tq_config = TurboQuantConfig.from_preset("4bit" if preset is None else preset)
+        elif not isinstance(tq_config, TurboQuantConfig):
+            raise TypeError(f"tq_config must be a TurboQuantConfig, got {type(tq_config).__name__}")
+        if max_cache_tokens is not None and (not isinstance(max_cache_tokens, int) or max_cache_tokens < 1):
+            raise ValueError(f"max_cache_tokens must be a positive int or None, got {max_cache_tokens!r}")
+        self.config = config
+        self.tq_config = tq_config
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._text_config = text
+        num_layers = text.num_hidden_layers
+        _check_layer_types(text, num_layers)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        layout = BlockLayout(tq_config, kv_heads, head_dim)
+        full_precision = tq_config.full_precision_layer_set(num_layers)
+        layers = [
+            DynamicLayer() if i in full_precision else TurboQuantLayer(layout, max_cache_tokens)
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, TurboQuantLayer):
+            return layer.update(key_states, value_states, dense=not self.attends_compressed)
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    @property
+    def attends_compressed(self) -> bool:
+        """Whether the model runs the "turboquant" attention (read now: set_attn_implementation may change it)."""
+        impl = getattr(self._text_config, "_attn_implementation", None)
+        if impl is None:
+            impl = getattr(self.config, "_attn_implementation", None)
+        return impl == ATTENTION_NAME
+
+    # ---- reports --------------------------------------------------------------------------------
+    def memory_footprint(self) -> int:
+        """Bytes allocated for K/V now: compressed pools plus full-precision layers."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantLayer):
+                total += layer.memory_footprint()
+            elif layer.is_initialized and layer.keys is not None:
+                total += layer.keys.numel() * layer.keys.element_size()
+                total += layer.values.numel() * layer.values.element_size()
+        return total
+
+    def fp16_equivalent_bytes(self) -> int:
+        """What an fp16 DynamicCache would hold for the same tokens in every layer."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantLayer):
+                total += 2 * 2 * layer.rows * layer.length * layer.layout.num_kv_heads * layer.layout.head_dim
+            elif layer.is_initialized and layer.keys is not None:
+                total += 2 * 2 * layer.keys.numel()
+        return total
+
+    def summary(self) -> str:
+        """One line: layers, tokens, bytes allocated vs an fp16 cache of the same tokens."""
+        compressed = sum(isinstance(layer, TurboQuantLayer) for layer in self.layers)
+        used, fp16 = self.memory_footprint(), self.fp16_equivalent_bytes()
+        ratio = f"{used / fp16:.3f}x" if fp16 else "n/a"
+        cfg = self.tq_config
+        return (
+            f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed, "
+            f"{self.get_seq_length()} tokens/row, {used / 2**20:.2f} MiB allocated vs {fp16 / 2**20:.2f} MiB fp16 "
+            f"({ratio})"
+        )
+
+    def __repr__(self) -> str:
+        return self.summary()
+
+
+def _check_layer_types(text_config, num_layers: int) -> None:
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        if getattr(text_config, "attention_chunk_size", None) is not None:
+            raise ValueError("TurboQuantCache does not support chunked attention (attention_chunk_size)")
+        return
+    unsupported = sorted(set(types) - set(ATTENTION_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"TurboQuantCache supports layer types {ATTENTION_LAYER_TYPES}; this model also has {unsupported}"
+        )
+    if len(types) < num_layers:
+        raise ValueError(f"config.layer_types lists {len(types)} layers but the model has {num_layers}")
+
+
+__all__ = ["TurboQuantCache", "TurboQuantCacheFullError", "TurboQuantLayer", "LayerStep", "ATTENTION_NAME",
+           "STEP_ATTRIBUTE"]

@@ -1,0 +1,128 @@
+"""Helpers shared by the kernels: bit-exact rounding, codec constants on device, input checks.
+
+The rounding helpers work on integer bit patterns so that the Triton interpreter (CPU) and the
+GPU round identically and both match reference.py, whatever each backend's float casts do.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import BlockLayout
+from ..reference import key_codec, value_rotation_matrix
+
+BF16_MAX_F32 = 3.3895313892515355e38  # torch.finfo(torch.bfloat16).max, exactly representable in fp32
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---- jitted rounding helpers -----------------------------------------------------------------
+@triton.jit
+def bf16_rne_bits(x):
+    """fp32 -> bfloat16 bit pattern (uint32, low 16 bits): round to nearest even, saturating."""
+    x = tl.minimum(tl.maximum(x, -3.3895313892515355e38), 3.3895313892515355e38)
+    b = x.to(tl.uint32, bitcast=True)
+    b = b + 0x7FFF + ((b >> 16) & 1)
+    return b >> 16
+
+
+@triton.jit
+def bf16_up_bits(x):
+    """fp32 >= 0 -> bit pattern (uint32, low 16 bits) of the smallest bfloat16 >= x."""
+    b = x.to(tl.uint32, bitcast=True)
+    t = b >> 16
+    return tl.where((b & 0xFFFF) != 0, t + 1, t)
+
+
+@triton.jit
+def bf16_bits_to_f32(bits):
+    """bfloat16 bit pattern (uint32, low 16 bits) -> fp32 value."""
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8e4m3_bits(x):
+    """fp32 with |x| <= 448 -> float8_e4m3fn bit pattern (uint32), round to nearest even."""
+    b = x.to(tl.uint32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    mag = b & 0x7FFFFFFF
+    # normal range (>= 2**-6): round the fp32 mantissa to 3 bits; a carry bumps the exponent
+    r = mag + 0x7FFFF + ((mag >> 20) & 1)
+    normal = (r >> 20) - (120 << 3)
+    # subnormal range: multiples of 2**-9, rounded to nearest even by the 2**23 trick
+    m = mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0
+    sub = m.to(tl.uint32, bitcast=True) & 0xF
+    return sign | tl.where(mag >= 0x3C800000, normal, sub)
+
+
+# ---- host helpers ----------------------------------------------------------------------------
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rotation [D, D] fp32, centroids [2**bits] fp32, boundaries [2**bits - 1] fp32) on device.
+
+    FP8 keys have no codec; they get 1-element placeholders so launch signatures stay fixed.
+    """
+    codec = key_codec(layout.config, layout.head_dim, device)
+    if codec is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        return one, one, one
+    return codec.rotation.contiguous(), codec.centroids.contiguous(), codec.boundaries.contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
+    """Rv [D, D] fp32 on device for value_rotation (values are stored as v @ Rv^T); a
+    1-element placeholder when the option is off, so launch signatures stay fixed."""
+    rot = value_rotation_matrix(layout.config, layout.head_dim, device)
+    if rot is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return rot.float().contiguous()
+
+
+def check_key_offset(key_offset, layout: BlockLayout, device) -> torch.Tensor | None:
+    """The key_centering mean as a contiguous fp32 [H, D] tensor (None passes through)."""
+    if key_offset is None:
+        return None
+    check_tensor("key_offset", key_offset, dim=2, dtypes=ACTIVATION_DTYPES, device=device)
+    expected = (layout.num_kv_heads, layout.head_dim)
+    if tuple(key_offset.shape) != expected:
+        raise ValueError(f"key_offset must be [{expected[0]}, {expected[1]}] (one mean per KV head), "
+                         f"got {list(key_offset.shape)}")
+    return key_offset.float().contiguous()
+
+
+def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None) -> None:
+    """Raise TypeError/ValueError naming `name` when t is not a tensor of the expected kind."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimensions, got shape {list(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but the pool is on {device}")
+
+
+def check_layout_pool(pool: torch.Tensor, layout: BlockLayout) -> None:
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a tq_hf.layout.BlockLayout, got {type(layout).__name__}")
+    check_tensor("pool", pool)
+    layout.check_pool(pool)
+
+
+@triton.jit
+def store_rounded(ptr, x, mask):
+    """Store fp32 `x` into ptr's dtype; bfloat16 is rounded to nearest even by bit operations
+    (the Triton interpreter's fp32 -> bf16 cast truncates)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)), bf16_rne_bits(x).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

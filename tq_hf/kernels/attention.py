@@ -1,0 +1,439 @@
+"""Unified paged attention over the compressed cache: prefill, chunked prefill and decode.
+
+One kernel body, one launcher. A program owns BLOCK_M query rows of one KV head of one
+sequence: the rows are the (query position, query head of the group) pairs flattened, so all
+G query heads of a KV head share every dequantized K/V tile (GQA/MQA), and it walks the
+KV range of one split. Prefill runs one split per row tile (2-D grid over row tiles x heads);
+decode uses many splits per sequence and a segment reduction (reduce.py) to fill the GPU.
+
+Per tile the kernel only unpacks codes: the query is rotated once in the prologue
+(q_rot = q @ R^T), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale
+applied per token after the dot; values use P.V = (P * value_scale) . code + P . bias with
+bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term.
+Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
+every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
+once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
+are read one 3-byte group (8 codes) at a time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import BlockLayout
+from ._common import (
+    ACTIVATION_DTYPES,
+    check_key_offset,
+    check_layout_pool,
+    check_tensor,
+    codec_tensors,
+    next_pow2,
+    store_rounded,
+    value_rotation_tensor,
+)
+from .reduce import reduce_splits
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _nibbles_to_f16(b, HIGH: tl.constexpr):
+    """uint8 codes -> fp16 (low nibble) or fp16 16 x (high nibble), exact, by the 0x6400 trick:
+    (0x6400 | n) read as fp16 is 1024 + n."""
+    w = b.to(tl.uint16)
+    if HIGH:
+        w = (w & 0xF0) | 0x6400
+    else:
+        w = (w & 0x0F) | 0x6400
+    return w.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _unpack3(plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
+    """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * GP] of the rows at byte
+    offsets row_off: each 3-byte group is loaded once (three strided byte loads), joined into
+    a 24-bit word and split into its 8 codes (code 8g + p at bits 3p of group g)."""
+    g = tl.arange(0, GP)
+    ptr = plane[:, None] + row_off[:, None] + 3 * g[None, :]
+    m = tok_ok[:, None] & (g[None, :] < NG)
+    b0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
+    b1 = tl.load(ptr + 1, mask=m, other=0).to(tl.int32)
+    b2 = tl.load(ptr + 2, mask=m, other=0).to(tl.int32)
+    word = b0 | (b1 << 8) | (b2 << 16)
+    codes = (word[:, :, None] >> (3 * tl.arange(0, 8))[None, None, :]) & 7
+    return tl.reshape(codes, (BLOCK_N, GP * 8))
+
+
+@triton.jit
+def _load_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
+    ptr = (plane + META + (field * T + off) * 2).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, s_qb, s_qh, s_ql,  # [B, Hq, Lq, D] fp16/bf16/fp32, last dim contiguous
+    o_ptr, s_ob, s_oh, s_ol,  # [B, Hq, Lq, D] query dtype
+    pool_ptr,  # [num_blocks, Hk, plane_bytes] uint8
+    bt_ptr, s_bt,  # [B, max_blocks] int32/int64 block table
+    seq_ptr,  # [B] int: cache length per row
+    kvs_ptr,  # [B] int: first visible position (left padding), if HAS_KV_START
+    sink_ptr,  # [Hq] float: sink logits, if HAS_SINKS
+    rot_ptr,  # [D, D] fp32 rotation R (codebook keys)
+    cent_ptr,  # [2**KEY_BITS] fp32 centroids (codebook keys)
+    koff_ptr,  # [Hk, D] fp32 key_centering mean, if HAS_KEY_OFFSET
+    vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
+    pout_ptr,  # [B, Hk, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
+    plse_ptr,  # [B, Hk, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
+    Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
+    D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
+    T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC_B: tl.constexpr,
+    HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    m_tile = pid // num_splits
+    split = pid % num_splits
+
+    # ---- rows of this program: (query i, group member g) pairs --------------------------------
+    r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = r // G
+    qg = r % G
+    row_ok = qi < Lq
+    qhead = h * G + qg
+    seq_len = tl.load(seq_ptr + b).to(tl.int32)
+    qpos = seq_len - Lq + qi
+    i_first = (m_tile * BLOCK_M) // G
+    i_last = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // G, Lq - 1)
+    kv_hi = tl.maximum(seq_len - Lq + i_last + 1, 0)
+    kv_lo = 0
+    if HAS_KV_START:
+        kv_first = tl.load(kvs_ptr + b).to(tl.int32)
+        kv_lo = tl.maximum(kv_lo, kv_first)
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(kv_lo, seq_len - Lq + i_first - window + 1)
+    kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
+    n_tiles = tl.maximum(tl.cdiv(kv_hi - kv_lo, BLOCK_N), 0)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    start = kv_lo + split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, kv_hi)
+
+    # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
+    dc = tl.arange(0, DP)
+    hc = tl.arange(0, DHP)
+    q_row = q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64) * s_qh + qi.to(tl.int64) * s_ql
+    q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
+    if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
+        mu = tl.load(koff_ptr + h * D + dc, mask=dc < D, other=0.0)
+        q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
+    if KEY_BITS == 4:
+        rmask = (dc[:, None] < D) & (hc[None, :] < D // 2)
+        r_lo = tl.load(rot_ptr + hc[None, :] * D + dc[:, None], mask=rmask, other=0.0)
+        r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + dc[:, None], mask=rmask, other=0.0)
+        q_lo = tl.dot(q, r_lo, input_precision="tf32x3")
+        q_hi = tl.dot(q, r_hi, input_precision="tf32x3")
+        qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
+        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
+        q_lo = (q_lo / qdiv).to(tl.float16)
+        q_hi = (q_hi / qdiv).to(tl.float16)
+    else:
+        if KEY_BITS == 3:
+            r_t = tl.load(rot_ptr + dc[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
+            q = tl.dot(q, r_t, input_precision="tf32x3")
+        qmax = tl.max(tl.abs(q), axis=1)
+        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
+        q16 = (q / qdiv).to(tl.float16)
+    row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
+    if KEY_BITS != 8:
+        nc = tl.arange(0, NC)
+        table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
+
+    # ---- online softmax state ------------------------------------------------------------------
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sink_ptr + qhead, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        first = split == 0
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
+    acc_a = tl.zeros((BLOCK_M, DHP if VALUE_BITS == 4 else DP), tl.float32)
+    acc_b = tl.zeros((BLOCK_M, ACC_B), tl.float32)
+    bias_acc = tl.zeros((BLOCK_M,), tl.float32)
+    HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
+
+    head_off = h.to(tl.int64) * plane_bytes
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        tok_ok = tok < end
+        if HAS_KV_START:
+            tok_ok = tok_ok & (tok >= kv_first)
+        blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(tl.int64)
+        off = tok % T
+        plane = pool_ptr + blk * block_bytes + head_off
+
+        # scores
+        if KEY_BITS == 4:
+            kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
+            k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
+            k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
+            s = tl.dot(q_lo, tl.trans(k_lo))
+            s = tl.dot(q_hi, tl.trans(k_hi), s)
+        elif KEY_BITS == 3:
+            kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
+            k = tl.gather(table, kc, 1)
+            s = tl.dot(q16, tl.trans(k))
+        else:
+            kb = tl.load(plane[:, None] + off[:, None] * KB + dc[None, :], mask=tok_ok[:, None] & (dc[None, :] < D), other=0)
+            k = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            s = tl.dot(q16, tl.trans(k))
+        k_scale = _load_meta(plane, 0, off, T, META, tok_ok)
+        s = s * row_scale[:, None] * k_scale[None, :]
+        if HAS_KEY_OFFSET:
+            s = s + q_mu[:, None]
+        if HAS_SOFTCAP:
+            e = tl.exp(-2.0 * tl.abs(s) / softcap)
+            th = (1.0 - e) / (1.0 + e)
+            s = softcap * tl.where(s < 0, -th, th)
+        s = s * 1.4426950408889634
+        vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
+        if HAS_WINDOW:
+            vis = vis & (tok[None, :] > qpos[:, None] - window)
+        s = tl.where(vis, s, -float("inf"))
+
+        # online softmax
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+
+        # values
+        v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
+        v_mid = _load_meta(plane, 2, off, T, META, tok_ok)
+        bias_acc = bias_acc * alpha + tl.sum(p * (v_mid - v_scale * HALF)[None, :], axis=1)
+        ps = (p * v_scale[None, :]).to(tl.float16)
+        if VALUE_BITS == 4:
+            vb = tl.load(plane[:, None] + T * KB + off[:, None] * VB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
+            acc_a = tl.dot(ps, _nibbles_to_f16(vb, False), acc_a * alpha[:, None])
+            acc_b = tl.dot(ps, _nibbles_to_f16(vb, True), acc_b * alpha[:, None])
+        else:
+            vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
+            acc_a = tl.dot(ps, vc.to(tl.float16), acc_a * alpha[:, None])
+
+    # ---- epilogue -----------------------------------------------------------------------------
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    bias_out = bias_acc * inv_l
+    if SPLIT:
+        prow = ((b * tl.num_programs(1) + h) * num_splits + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
+        tl.store(plse_ptr + prow, lse)
+        dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
+    else:
+        dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
+    if VALUE_BITS == 4:
+        out_lo = acc_a * inv_l[:, None] + bias_out[:, None]
+        out_hi = acc_b * (inv_l * 0.0625)[:, None] + bias_out[:, None]
+        if VALUE_ROT:  # back from the rotated value space: out @ Rv, rows j < D/2 then j >= D/2
+            rmask = (hc[:, None] < D // 2) & (dc[None, :] < D)
+            rv_lo = tl.load(vrot_ptr + hc[:, None] * D + dc[None, :], mask=rmask, other=0.0)
+            rv_hi = tl.load(vrot_ptr + (hc[:, None] + D // 2) * D + dc[None, :], mask=rmask, other=0.0)
+            out = tl.dot(out_lo, rv_lo, input_precision="tf32x3")
+            out = tl.dot(out_hi, rv_hi, out, input_precision="tf32x3")
+            store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
+        else:
+            om = row_ok[:, None] & (hc[None, :] < D // 2)
+            store_rounded(dst + hc[None, :], out_lo, om)
+            store_rounded(dst + hc[None, :] + D // 2, out_hi, om)
+    else:
+        out = acc_a * inv_l[:, None] + bias_out[:, None]
+        if VALUE_ROT:
+            rv = tl.load(vrot_ptr + dc[:, None] * D + dc[None, :], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
+            out = tl.dot(out, rv, input_precision="tf32x3")
+        store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+_WORKSPACES: dict[str, torch.Tensor] = {}
+
+
+def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """A persistent fp32 scratch buffer of at least `numel` elements for split partials.
+
+    Shared by every layer and step on the device; it grows (never shrinks) to a power of two,
+    so after the first call of a given shape no allocation happens (CUDA-graph friendly).
+    """
+    key = str(device)
+    buf = _WORKSPACES.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(next_pow2(numel), dtype=torch.float32, device=device)
+        _WORKSPACES[key] = buf
+    return buf
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few splits, so the split path is exercised cheaply
+
+
+def _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale, sliding_window, softcap):
+    check_layout_pool(pool, layout)
+    dev = pool.device
+    check_tensor("query", query, dim=4, dtypes=ACTIVATION_DTYPES, device=dev)
+    b, hq, lq, d = query.shape
+    if d != layout.head_dim:
+        raise ValueError(f"query head_dim {d} does not match the layout's head_dim {layout.head_dim}")
+    if query.stride(-1) != 1:
+        raise ValueError("query must be contiguous in its last (head_dim) dimension")
+    hk = layout.num_kv_heads
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of the pool's KV heads ({hk})")
+    if lq < 1 or b < 1:
+        raise ValueError(f"query must have at least one row and one position, got shape {list(query.shape)}")
+    check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32, torch.int64), device=dev)
+    if block_table.shape[0] != b or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be [{b}, max_blocks] with contiguous rows, got {list(block_table.shape)}")
+    check_tensor("seq_lens", seq_lens, dim=1, dtypes=(torch.int32, torch.int64), device=dev)
+    if seq_lens.shape[0] != b:
+        raise ValueError(f"seq_lens must be [{b}], got {list(seq_lens.shape)}")
+    if kv_start is not None:
+        check_tensor("kv_start", kv_start, dim=1, dtypes=(torch.int32, torch.int64), device=dev)
+        if kv_start.shape[0] != b:
+            raise ValueError(f"kv_start must be [{b}], got {list(kv_start.shape)}")
+    if sinks is not None:
+        check_tensor("sinks", sinks, dim=1, dtypes=ACTIVATION_DTYPES, device=dev)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must be [{hq}] (one logit per query head), got {list(sinks.shape)}")
+    if out is not None:
+        check_tensor("out", out, dim=4, dtypes=(query.dtype,), device=dev)
+        if out.shape != query.shape or out.stride(-1) != 1:
+            raise ValueError(f"out must be {list(query.shape)} with a contiguous last dimension, got {list(out.shape)}")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite Python float, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+
+
+def unified_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    layout: BlockLayout,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    workspace: torch.Tensor | None = None,
+    tuning: dict | None = None,
+    key_offset: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query [B, Hq, Lq, D] over the compressed pool (see reference.paged_attention).
+
+    key_offset: the key_centering mean [Hk, D] the keys were stored with (keys read as k_hat + mu);
+    value_rotation comes from the layout's config (the output is rotated back once per row).
+
+    max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
+    sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
+    workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
+    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages"}).
+    Returns `out` (allocated if None) in query's dtype.
+    """
+    _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
+                            sliding_window, softcap)
+    key_offset = check_key_offset(key_offset, layout, pool.device)
+    b, hq, lq, d = query.shape
+    hk = layout.num_kv_heads
+    g = hq // hk
+    cfg = layout.config
+    if out is None:
+        out = torch.empty_like(query)
+    rot, cent, _ = codec_tensors(layout, str(pool.device))
+    vrot = value_rotation_tensor(layout, str(pool.device))
+
+    rows = g * lq
+    dp = next_pow2(d)
+    dhp = next_pow2(d // 2)
+    on_gpu = pool.is_cuda
+    decode = rows <= 64
+    if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweep (bench --tune)
+        block_m = max(16, next_pow2(rows))
+        block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
+    else:
+        block_m = 64 if d <= 128 else 32
+        block_n = 64 if d <= 128 else 32
+    if not on_gpu:
+        block_n = 16 if decode else 32
+    tuning = tuning or {}
+    block_n = tuning.get("block_n", block_n)
+    block_m = tuning.get("block_m", block_m)
+    num_warps = tuning.get("num_warps", 4)
+    num_stages = tuning.get("num_stages", 2) if on_gpu else 1
+    m_tiles = triton.cdiv(rows, block_m)
+    max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
+    kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
+    if num_splits is None:
+        programs = b * hk * m_tiles
+        sms = _num_sms(pool.device)
+        # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split
+        # a power of two splits the (power-of-two) tile counts evenly across splits
+        waves = 8 if cfg.key_bits == 8 else 3
+        want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
+        num_splits = 1 if programs >= sms else 1 << (want.bit_length() - 1)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    split = num_splits > 1
+    if split and m_tiles != 1:
+        raise ValueError("split-KV needs all query rows of a KV head in one tile (G * Lq <= 64)")
+
+    pout = plse = cent  # placeholders when not splitting
+    if split:
+        n_rows = b * hk * num_splits * block_m
+        need = n_rows * (dp + 1)
+        if workspace is None:
+            workspace = split_workspace(pool.device, need)
+        elif workspace.dtype != torch.float32 or workspace.device != pool.device or workspace.numel() < need:
+            raise ValueError(f"workspace must be float32 on {pool.device} with >= {need} elements")
+        pout = workspace[: n_rows * dp]
+        plse = workspace[n_rows * dp : need]
+
+    dummy = seq_lens
+    grid = (m_tiles * num_splits, hk, b)
+    _attn_kernel[grid](
+        query, query.stride(0), query.stride(1), query.stride(2),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        pool, block_table, block_table.stride(0), seq_lens,
+        kv_start if kv_start is not None else dummy,
+        sinks if sinks is not None else cent,
+        rot, cent, key_offset if key_offset is not None else cent, vrot, pout, plse,
+        lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+        layout.block_bytes, layout.plane_bytes,
+        D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
+        META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
+        NC=(1 << cfg.key_bits) if cfg.uses_codebook else 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, ACC_B=dhp if cfg.value_bits == 4 else 16,
+        HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
+        HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        reduce_splits(pout, plse, out, b, hk, g, lq, num_splits, block_m, d, dp)
+    return out

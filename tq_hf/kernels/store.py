@@ -1,0 +1,246 @@
+"""Fused store: quantize new keys/values and write them into their cache slots, one launch.
+
+Each program takes BLOCK_T tokens of one KV head: keys (minus the key_centering mean, if any)
+are rotated by one tensor-core matmul (3xTF32, so codes match reference.py's fp32 rotation),
+bucketed against the codebook boundaries, norm corrected and packed; values (rotated the same
+way under value_rotation) get their midpoint/scale and packed codes; the three bfloat16
+metadata fields are rounded with reference.py's exact rules using integer bit operations.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout
+from ._common import (
+    ACTIVATION_DTYPES,
+    bf16_bits_to_f32,
+    bf16_rne_bits,
+    bf16_up_bits,
+    check_key_offset,
+    check_layout_pool,
+    check_tensor,
+    codec_tensors,
+    fp8e4m3_bits,
+    next_pow2,
+    value_rotation_tensor,
+)
+
+
+@triton.jit
+def _store_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, bits, mask):
+    """Write bfloat16 bit patterns `bits` into metadata field `field` of tokens `off`."""
+    ptr = (plane + META + (field * T + off) * 2).to(tl.pointer_type(tl.int16))
+    tl.store(ptr, bits.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr):
+    """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32): the split-half nibble pairs (j, j + D/2)."""
+    cols = tl.arange(0, DP)
+    hc = tl.arange(0, DHP)
+    rmask = (cols[:, None] < D) & (hc[None, :] < D // 2)
+    r_lo = tl.load(rot_ptr + hc[None, :] * D + cols[:, None], mask=rmask, other=0.0)  # R^T[:, :D/2]
+    r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + cols[:, None], mask=rmask, other=0.0)
+    return tl.dot(x, r_lo, input_precision="tf32x3"), tl.dot(x, r_hi, input_precision="tf32x3")
+
+
+@triton.jit
+def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr):
+    """x @ R^T (fp32, 3xTF32)."""
+    cols = tl.arange(0, DP)
+    r_t = tl.load(rot_ptr + cols[None, :] * D + cols[:, None], mask=(cols[:, None] < D) & (cols[None, :] < D), other=0.0)
+    return tl.dot(x, r_t, input_precision="tf32x3")
+
+
+@triton.jit
+def _bucket(y, bnd_ptr, NB: tl.constexpr):
+    """Codebook index of y = number of the NB ascending boundaries strictly below y (bucketize)."""
+    code = (y > tl.load(bnd_ptr)).to(tl.int32)
+    for i in tl.static_range(1, NB):
+        code += (y > tl.load(bnd_ptr + i)).to(tl.int32)
+    return code
+
+
+@triton.jit
+def _store3(ptr, codes, mask, BLOCK_T: tl.constexpr, GP: tl.constexpr):
+    """Pack int32 codes [BLOCK_T, 8 * GP] as the 3-bit little-endian stream: 8 codes -> 3 bytes
+    at ptr [BLOCK_T, GP] (byte pointers of each group's first byte)."""
+    phase = tl.arange(0, 8)
+    word = tl.sum(tl.reshape(codes, (BLOCK_T, GP, 8)) << (3 * phase)[None, None, :], axis=2)
+    tl.store(ptr, (word & 255).to(tl.uint8), mask=mask)
+    tl.store(ptr + 1, ((word >> 8) & 255).to(tl.uint8), mask=mask)
+    tl.store(ptr + 2, ((word >> 16) & 255).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
+    q = tl.floor(tl.math.div_rn(x - mid[:, None], div[:, None]) + (HALF + 0.5))
+    return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+
+
+@triton.jit
+def _store_kernel(
+    key_ptr, stride_kn, stride_kh,  # [N, H, D] fp16/bf16/fp32, last dim contiguous
+    val_ptr, stride_vn, stride_vh,  # [N, H, D]
+    slots_ptr,  # [N] int64, negative = skip
+    pool_ptr,  # [num_blocks, H, plane_bytes] uint8
+    rot_ptr,  # [D, D] fp32 key rotation R (rotated = x @ R^T)
+    cent_ptr,  # [2**KEY_BITS] fp32 centroids (ascending)
+    bnd_ptr,  # [2**KEY_BITS - 1] fp32 decision boundaries
+    koff_ptr,  # [H, D] fp32 key_centering mean, if HAS_KEY_OFFSET
+    vrot_ptr,  # [D, D] fp32 value rotation Rv (stored = v @ Rv^T), if VALUE_ROT
+    N, block_bytes, plane_bytes,
+    D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
+    T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
+    KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
+    HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    n = pid_n * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slots_ptr + n, mask=n < N, other=-1)
+    ok = slot >= 0
+    blk = tl.where(ok, slot // T, 0)
+    off = tl.where(ok, slot % T, 0)
+    plane = pool_ptr + blk * block_bytes + h * plane_bytes  # [BLOCK_T] uint8 pointers
+    n64 = n.to(tl.int64)
+    kbase = key_ptr + n64 * stride_kn + h * stride_kh
+    vbase = val_ptr + n64 * stride_vn + h * stride_vh
+    cols = tl.arange(0, DP)
+    hc = tl.arange(0, DHP)
+    g = tl.arange(0, GP)
+    cmask = ok[:, None] & (cols[None, :] < D)
+    hmask = ok[:, None] & (hc[None, :] < D // 2)
+    gmask = ok[:, None] & (g[None, :] < D // 8)
+
+    # ---------------- keys ----------------
+    x = tl.load(kbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+    if HAS_KEY_OFFSET:
+        x = x - tl.load(koff_ptr + h * D + cols, mask=cols < D, other=0.0)[None, :]
+        x = tl.where(cmask, x, 0.0)
+    amax = tl.max(tl.abs(x), axis=1)
+    nonzero = amax > 0
+    if KEY_BITS == 8:
+        scale = tl.where(nonzero, bf16_bits_to_f32(bf16_up_bits(tl.math.div_rn(amax, 448.0))), 0.0)
+        scaled = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+        codes = fp8e4m3_bits(scaled)
+        tl.store(plane[:, None] + off[:, None] * KB + cols[None, :], codes.to(tl.uint8), mask=cmask)
+        kscale_bits = bf16_rne_bits(scale)
+    else:
+        NC: tl.constexpr = 1 << KEY_BITS
+        u = tl.math.div_rn(x, tl.where(nonzero, amax, 1.0)[:, None])
+        rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
+        inv = tl.where(nonzero, rms_u, 1.0)[:, None]
+        c = tl.load(cent_ptr + tl.arange(0, NC))
+        sq_table = tl.broadcast_to((c * c)[None, :], (BLOCK_T, NC))
+        if KEY_BITS == 4:
+            y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP)
+            c_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, NC - 1)
+            c_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, NC - 1)
+            sq = tl.gather(sq_table, c_lo, 1) + tl.gather(sq_table, c_hi, 1)
+            csum = tl.sum(tl.where(hc[None, :] < D // 2, sq, 0.0), axis=1)
+            tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
+        else:  # 3-bit: a little-endian bit stream, 8 codes -> 3 bytes
+            code = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, NC - 1)
+            csum = tl.sum(tl.where(cols[None, :] < D, tl.gather(sq_table, code, 1), 0.0), axis=1)
+            _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
+        scale = amax * rms_u
+        if NORM_CORRECTION:
+            scale = tl.math.div_rn(scale, tl.sqrt_rn(tl.math.div_rn(csum, D * 1.0)))
+        kscale_bits = bf16_rne_bits(scale)
+    _store_meta(plane, 0, off, T, META, kscale_bits, ok)
+
+    # ---------------- values ----------------
+    LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
+    HALF: tl.constexpr = LEVELS / 2
+    if VALUE_BITS == 4:
+        if VALUE_ROT:
+            xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+            x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP)
+        else:
+            x_lo = tl.load(vbase[:, None] + hc[None, :], mask=hmask, other=0.0).to(tl.float32)
+            x_hi = tl.load(vbase[:, None] + hc[None, :] + D // 2, mask=hmask, other=0.0).to(tl.float32)
+        vmax = tl.maximum(tl.max(tl.where(hmask, x_lo, -float("inf")), axis=1), tl.max(tl.where(hmask, x_hi, -float("inf")), axis=1))
+        vmin = tl.minimum(tl.min(tl.where(hmask, x_lo, float("inf")), axis=1), tl.min(tl.where(hmask, x_hi, float("inf")), axis=1))
+    else:
+        xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+        if VALUE_ROT:
+            xv = _rotate(xv, vrot_ptr, D, DP)
+        vmax = tl.max(tl.where(cmask, xv, -float("inf")), axis=1)
+        vmin = tl.min(tl.where(cmask, xv, float("inf")), axis=1)
+    vmax = tl.where(ok, vmax, 0.0)
+    vmin = tl.where(ok, vmin, 0.0)
+    mid_bits = bf16_rne_bits(vmax * 0.5 + vmin * 0.5)
+    mid = bf16_bits_to_f32(mid_bits)
+    half_range = tl.maximum(vmax - mid, mid - vmin)
+    vscale_bits = bf16_up_bits(tl.math.div_rn(half_range, HALF))
+    vscale = bf16_bits_to_f32(vscale_bits)
+    div = tl.where(vscale > 0, vscale, 1.0)
+    if VALUE_BITS == 4:
+        q_lo = _value_codes(x_lo, mid, div, HALF, LEVELS)
+        q_hi = _value_codes(x_hi, mid, div, HALF, LEVELS)
+        tl.store(plane[:, None] + T * KB + off[:, None] * VB + hc[None, :], (q_lo | (q_hi << 4)).to(tl.uint8), mask=hmask)
+    else:
+        q = _value_codes(xv, mid, div, HALF, LEVELS)
+        _store3(plane[:, None] + T * KB + off[:, None] * VB + 3 * g[None, :], q, gmask, BLOCK_T, GP)
+    _store_meta(plane, 1, off, T, META, vscale_bits, ok)
+    _store_meta(plane, 2, off, T, META, mid_bits, ok)
+
+
+def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+             key_offset: torch.Tensor | None = None, tuning: dict | None = None) -> None:
+    """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
+
+    Same contract and bytes as reference.store (key_offset [H, D]: the key_centering mean;
+    value_rotation comes from the layout's config); one kernel launch, no host synchronisation.
+    tuning: launch overrides for benchmarks ({"block_t", "num_warps"}).
+    """
+    check_layout_pool(pool, layout)
+    for name, t in (("key", key), ("value", value)):
+        check_tensor(name, t, dim=3, dtypes=ACTIVATION_DTYPES, device=pool.device)
+        if tuple(t.shape[1:]) != (layout.num_kv_heads, layout.head_dim):
+            raise ValueError(
+                f"{name} must be [N, {layout.num_kv_heads}, {layout.head_dim}] for this layout, got {list(t.shape)}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    check_tensor("slots", slots, dim=1, dtypes=(torch.int64, torch.int32), device=pool.device)
+    if key.shape[0] != value.shape[0] or slots.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"key, value and slots must agree on N, got {key.shape[0]}, {value.shape[0]}, {slots.shape[0]}"
+        )
+    key_offset = check_key_offset(key_offset, layout, pool.device)
+    n = key.shape[0]
+    if n == 0:
+        return
+    assert (KEY_SCALE, VALUE_SCALE, VALUE_MID) == (0, 1, 2)  # field order used by _store_meta
+    cfg, d = layout.config, layout.head_dim
+    rot, cent, bnd = codec_tensors(layout, str(pool.device))
+    vrot = value_rotation_tensor(layout, str(pool.device))
+    # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
+    # D=128); decode steps (a few tokens) take the smallest tile that holds them.
+    block_t = min(64 if d <= 128 else 32, max(16, next_pow2(n)))
+    num_warps = 8 if block_t >= 64 else 4
+    if not pool.is_cuda:
+        block_t, num_warps = 16, 4
+    tuning = tuning or {}
+    block_t = tuning.get("block_t", block_t)
+    num_warps = tuning.get("num_warps", num_warps)
+    grid = (triton.cdiv(n, block_t), layout.num_kv_heads)
+    _store_kernel[grid](
+        key, key.stride(0), key.stride(1),
+        value, value.stride(0), value.stride(1),
+        slots,
+        pool,
+        rot, cent, bnd,
+        key_offset if key_offset is not None else cent, vrot,
+        n, layout.block_bytes, layout.plane_bytes,
+        D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8),
+        T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
+        KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
+        HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
+        num_warps=num_warps,
+    )
