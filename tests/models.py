@@ -107,7 +107,8 @@ class FakeQuantLayer(DynamicLayer):
         self.cfg = cfg
         self.cache = cache
         self.key_offset = None
-        self.exact = DynamicLayer() if cfg.exact_prefix_tokens else None
+        self.exact = DynamicLayer() if cfg.exact_prefix_tokens or cfg.recent_window else None
+        self.recent_from = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         first = self.get_seq_length() == 0
@@ -122,11 +123,18 @@ class FakeQuantLayer(DynamicLayer):
             start = self.cache.kv_start_for(keys.shape[0]).to(keys.device)
             keys = _prefix_from(keys, exact_k, start, self.cfg.exact_prefix_tokens)
             values = _prefix_from(values, exact_v, start, self.cfg.exact_prefix_tokens)
+            if self.cfg.recent_window:  # the last W positions (not cropped away since written) are exact
+                lo = max(self.recent_from, keys.shape[2] - self.cfg.recent_window)
+                keys, values = keys.clone(), values.clone()
+                keys[:, :, lo:] = exact_k[:, :, lo:]
+                values[:, :, lo:] = exact_v[:, :, lo:]
         if first and self.cfg.prefill_attention == "exact":
             return key_states, value_states
         return keys, values
 
     def crop(self, max_length):
+        if self.cfg.recent_window:
+            self.recent_from = max(self.recent_from, self.get_seq_length() - self.cfg.recent_window)
         super().crop(max_length)
         if self.exact is not None:
             self.exact.crop(max_length)

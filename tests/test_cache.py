@@ -279,3 +279,30 @@ def test_default_boundary_layers_ratio(capsys):
     assert abs(ratio - expected) < 1e-9, (ratio, expected)
     with capsys.disabled():
         print(f"\n[memory] 4bit, 32 layers, default boundary layers (0, 1, -2, -1) dense fp16: {ratio:.3f}x fp16")
+
+
+def test_recent_window_ring_after_crop_matches_the_exact_history():
+    """Ring slots of cropped positions get overwritten by later tokens; only what is still valid is exact."""
+    w = 4
+    cache = new_cache(layers=1, recent_window=w)
+    layer = cache.layers[0]
+    k1, v1 = kv(2, 10)
+    cache.update(k1, v1, 0)
+    cache.crop(-4)  # keep 6 tokens; the ring holds positions 6..9 (dropped) and nothing valid below 6
+    k2, v2 = kv(2, 1)
+    cache.update(k2, v2, 0)  # position 6 -> slot 2
+    keys, values = torch.cat([k1[:, :, :6], k2], 2), torch.cat([v1[:, :, :6], v2], 2)
+    qk, qv = fake_quantize(keys, values, layer.layout.config)
+    got_k, got_v = layer.dequantized()
+    exact_from = 6  # positions 3..5 were in the last W before the crop, but their slots hold 7..9 now
+    assert_close(got_k[:, :, :exact_from], qk[:, :, :exact_from], atol=1e-5, what="compressed keys")
+    assert_close(got_k[:, :, exact_from:], keys[:, :, exact_from:], atol=1e-6, what="exact ring key")
+    assert_close(got_v[:, :, exact_from:], values[:, :, exact_from:], atol=1e-6, what="exact ring value")
+    for _ in range(5):  # the ring fills up again: the last W positions exact
+        k3, v3 = kv(2, 1)
+        cache.update(k3, v3, 0)
+        keys, values = torch.cat([keys, k3], 2), torch.cat([values, v3], 2)
+    got_k, _ = layer.dequantized()
+    qk, _ = fake_quantize(keys, values, layer.layout.config)
+    assert_close(got_k[:, :, -w:], keys[:, :, -w:], atol=1e-6, what="exact ring keys after refill")
+    assert_close(got_k[:, :, :-w], qk[:, :, :-w], atol=1e-5, what="compressed keys after refill")

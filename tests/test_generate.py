@@ -65,10 +65,11 @@ def test_other_presets_match_fake_quant(preset):
 @pytest.mark.parametrize("family", ["qwen2", "gpt_oss", "gemma2"])
 @pytest.mark.parametrize("prefill", ["exact", "compressed"])
 def test_fidelity_options_match_fake_quant(family, prefill):
-    """key_centering + value_rotation + exact prefix (left padded rows): qkv biases (qwen2), sinks (gpt_oss, where q . mean matters), softcap."""
+    """key_centering + value_rotation + exact prefix (left padded rows) + recent ring: qkv biases (qwen2), sinks (gpt_oss, where q . mean matters), softcap."""
     model = tiny_model(family)
     ids, mask, _ = left_padded_batch([11, 6], seed=4)
-    cfg = tq_config(key_centering=True, value_rotation=True, exact_prefix_tokens=3, prefill_attention=prefill)
+    cfg = tq_config(key_centering=True, value_rotation=True, exact_prefix_tokens=3, recent_window=5,
+                    prefill_attention=prefill)
     compare(model, ids, mask, cfg, f"{family} centering+rotation {prefill}", max_new_tokens=6)
 
 
@@ -233,3 +234,30 @@ def test_gpu_decode_reads_no_dense_history(monkeypatch):
     ids, mask, _ = left_padded_batch([9, 13], seed=15, device="cuda")
     generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config()), max_new_tokens=6)
     assert os.environ.get("TQ_HF_FORCE_REFERENCE") is None
+
+
+LEVERS = dict(key_centering=True, value_rotation=True, exact_prefix_tokens=2, recent_window=4)
+
+
+def test_fidelity_options_survive_crops_in_assisted_decoding():
+    """recent_window after crop: positions whose ring slots were overwritten must come from the pool."""
+    model, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids, _, _ = left_padded_batch([10], seed=7)
+    ids = torch.cat([ids, ids[:, 2:8]], 1)
+    compare(model, ids, torch.ones_like(ids), tq_config(**LEVERS), "assisted+levers", max_new_tokens=12,
+            assistant_model=assistant)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_fidelity_options_with_chunked_prefill(family):
+    model = tiny_model(family)
+    ids, mask, _ = left_padded_batch([17, 5], seed=9)  # row 1's first real tokens arrive in a later chunk
+    compare(model, ids, mask, tq_config(**LEVERS), f"{family} chunked+levers", max_new_tokens=6,
+            prefill_chunk_size=4)
+
+
+def test_fidelity_options_with_beam_search():
+    model = tiny_model("mistral")
+    ids, mask, _ = left_padded_batch([9, 6], seed=5)
+    compare(model, ids, mask, tq_config(**LEVERS), "beams+levers", max_new_tokens=8, num_beams=3,
+            do_sample=False)

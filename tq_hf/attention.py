@@ -19,7 +19,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import ops, reference
-from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, LayerStep
+from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, SUPPORTED_DTYPES, LayerStep
 
 PADDING_ATTRIBUTE = "_turboquant_padding"  # attribute of a mask tensor: the 2-D padding mask [B, S] bool
 DENSE_SCORE_BUDGET = 1 << 26  # fp32 scores per chunk of the dense fallback (256 MiB)
@@ -63,6 +63,7 @@ def turboquant_attention_forward(
     if dropout and module.training:
         raise ValueError("attention dropout is not supported over a TurboQuantCache (the model is in training mode)")
     layer = step.layer
+    _check_query(query, layer)
     if step.refresh_padding:
         _refresh_padding(step, attention_mask, query.shape[0])
     layer.fill_prefix(key, value, step.start)
@@ -75,10 +76,33 @@ def turboquant_attention_forward(
             query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
             kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
             max_seq_len=layer.length, key_offset=layer.key_offset,
-            **({} if layer.prefix_keys is None else {"prefix_keys": layer.prefix_keys,
-                                                    "prefix_values": layer.prefix_values}),
+            **_exact_overlays(layer),
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _check_query(query: torch.Tensor, layer) -> None:
+    """Clear errors before the kernel sees a query that cannot go with this layer's pool."""
+    rows, kv_heads, head_dim = layer.rows, layer.layout.num_kv_heads, layer.layout.head_dim
+    if query.dim() != 4 or query.shape[0] != rows or query.shape[3] != head_dim or query.shape[1] % kv_heads:
+        raise ValueError(
+            f"query must be [batch {rows}, a multiple of {kv_heads} query heads, tokens, head_dim {head_dim}] "
+            f"to attend over this TurboQuantCache layer, got {list(query.shape)}"
+        )
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query has dtype {query.dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
+    if query.device != layer.pool.device:
+        raise ValueError(f"query is on {query.device} but the TurboQuantCache layer is on {layer.pool.device}")
+
+
+def _exact_overlays(layer) -> dict:
+    """The exact-token side buffers of a layer (exact_prefix_tokens, recent_window) as kernel kwargs."""
+    extra = {}
+    if layer.prefix_keys is not None:
+        extra.update(prefix_keys=layer.prefix_keys, prefix_values=layer.prefix_values)
+    if layer.recent_keys is not None:
+        extra.update(recent_keys=layer.recent_keys, recent_values=layer.recent_values, recent_from=layer.recent_from)
+    return extra
 
 
 def dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window, softcap,

@@ -19,6 +19,7 @@ as ordinary dense K/V (slow, but correct).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ STEP_ATTRIBUTE = "_turboquant_step"  # attribute of the key tensor update() retu
 GROWTH_DIVISOR = 16  # grow a pool by >= 1/16 of its capacity: <= 6.25% slack, O(16) copies per doubling
 MIN_GROWTH_BLOCKS = 4  # ... and by at least this many blocks, so small caches do not copy every block
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/query dtypes the kernels take
 
 
 class TurboQuantCacheFullError(RuntimeError):
@@ -64,7 +66,8 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def __init__(self, layout: BlockLayout, max_cache_tokens: int | None = None):
         super().__init__()
-        self.layout = layout
+        self.layout = layout  # num_kv_heads may shrink to a tensor-parallel shard at lazy_initialization
+        self.config_kv_heads = layout.num_kv_heads
         self.max_cache_tokens = max_cache_tokens
         self._clear()
 
@@ -81,23 +84,38 @@ class TurboQuantLayer(CacheLayerMixin):
         self.prefix_keys: torch.Tensor | None = None  # [rows, H, P, D] exact first real tokens (exact_prefix_tokens)
         self.prefix_values: torch.Tensor | None = None
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
+        self.recent_keys: torch.Tensor | None = None  # [rows, H, W, D] ring of the last W tokens (recent_window)
+        self.recent_values: torch.Tensor | None = None
+        self.recent_from = 0  # host int: the ring is valid from max(recent_from, length - W) (crop lowers it)
         self.is_initialized = False
 
     # ---- CacheLayerMixin --------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        expected = (self.layout.num_kv_heads, self.layout.head_dim)
+        """Take the device and the KV head count from the first K/V this layer sees.
+
+        Why the heads: under tensor parallelism (tp_plan) each rank's projections yield a shard of
+        the config's KV heads, so the layer accepts any divisor of the config's count and lays out
+        its pool for that many heads (as transformers' own StaticLayer sizes itself from key_states).
+        Why the device: under a device_map each layer's pool must live where that layer runs.
+        """
+        heads = key_states.shape[1] if key_states.dim() == 4 else 0
+        dim, total = self.layout.head_dim, self.config_kv_heads
         for name, t in (("key_states", key_states), ("value_states", value_states)):
-            if t.dim() != 4 or (t.shape[1], t.shape[3]) != expected:
+            if t.dim() != 4 or t.shape[3] != dim or t.shape[1] != heads or heads < 1 or total % heads:
                 raise ValueError(
-                    f"{name} must be [batch, {expected[0]} KV heads, tokens, head_dim {expected[1]}] for this "
-                    f"cache (built from the model config), got {list(t.shape)}"
+                    f"{name} must be [batch, KV heads, tokens, head_dim {dim}] with the config's {total} KV heads "
+                    f"or a tensor-parallel shard of them (a divisor of {total}), got {list(t.shape)} "
+                    f"(key_states {list(key_states.shape)})"
                 )
+        if heads != self.layout.num_kv_heads:
+            self.layout = dataclasses.replace(self.layout, num_kv_heads=heads)
         self.device = key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, dense: bool = False,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress and store the new tokens; see the module docstring for what is returned."""
+        self._check_inputs(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows, heads, new, dim = key_states.shape
@@ -117,10 +135,17 @@ class TurboQuantLayer(CacheLayerMixin):
             self.prefix_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
             self.prefix_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
             self.prefix_fill_until = self.layout.config.exact_prefix_tokens
+        if was_empty and self.layout.config.recent_window:
+            shape = (rows, heads, self.layout.config.recent_window, dim)
+            self.recent_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
+            self.recent_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
+            self.recent_from = 0
         if self.layout.config.key_centering and self.key_offset is None:
-            self.key_offset = key_states.float().mean(dim=(0, 2))  # per KV head, over the first tokens
+            self.key_offset = _key_mean(key_states)  # per KV head, over the first tokens
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                   key_offset=self.key_offset)
+        if self.recent_keys is not None:
+            self._write_recent(key_states, value_states, start)
         self.length = start + new
         self.seq_lens.fill_(self.length)
 
@@ -130,6 +155,30 @@ class TurboQuantLayer(CacheLayerMixin):
             return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
         setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start))
         return key_states, value_states
+
+    def _check_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Clear errors for inputs the store would reject deep inside (or, worse, accept silently)."""
+        expected = (self.layout.num_kv_heads, self.layout.head_dim)
+        for name, t in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{name} has dtype {t.dtype}; TurboQuantCache supports "
+                                f"{', '.join(map(str, SUPPORTED_DTYPES))}")
+            if self.is_initialized and (t.dim() != 4 or (t.shape[1], t.shape[3]) != expected):  # else: lazy_initialization
+                raise ValueError(
+                    f"{name} must be [batch, {expected[0]} KV heads, tokens, head_dim {expected[1]}] for this "
+                    f"cache layer (as its first update), got {list(t.shape)}"
+                )
+            if self.is_initialized and t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but this cache layer lives on {self.device}; "
+                                 "keep every update of a layer on one device")
+        if key_states.device != value_states.device:
+            raise ValueError(f"key_states ({key_states.device}) and value_states ({value_states.device}) must be "
+                             "on the same device")
+        if key_states.shape != value_states.shape:
+            raise ValueError(f"key_states {list(key_states.shape)} and value_states {list(value_states.shape)} "
+                             "must have the same shape")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -156,8 +205,12 @@ class TurboQuantLayer(CacheLayerMixin):
         else:
             new_length = max(self.length + tokens_to_remove, 0)
         if new_length != self.length:
+            if self.recent_keys is not None:  # ring slots of dropped positions will be overwritten
+                self.recent_from = max(self.recent_from, self.length - self.recent_keys.shape[2])
             self.length = new_length
             self.seq_lens.fill_(new_length)
+            if self.kv_start is not None:  # cropped into a row's left padding: what follows is real
+                self.kv_start = self.kv_start.clamp_max(new_length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select_rows(beam_idx)
@@ -182,6 +235,19 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.prefix_keys is not None:
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
 
+    def _write_recent(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """Put the last min(new, W) new tokens into the ring (position p at slot p % W): slice copies,
+        no index tensors, so a decode step costs two small copies."""
+        w, new = self.recent_keys.shape[2], key_states.shape[2]
+        m = min(new, w)
+        first = start + new - m
+        slot = first % w
+        head = min(m, w - slot)
+        for ring, src in ((self.recent_keys, key_states), (self.recent_values, value_states)):
+            ring[:, :, slot : slot + head].copy_(src[:, :, new - m : new - m + head])
+            if m > head:
+                ring[:, :, : m - head].copy_(src[:, :, new - m + head :])
+
     def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Copy the new tokens that are among each row's first P real tokens into the exact prefix.
 
@@ -205,10 +271,13 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.prefix_keys is not None:
             k = reference.overlay_prefix(k, self.prefix_keys, self.kv_start)
             v = reference.overlay_prefix(v, self.prefix_values, self.kv_start)
+        if self.recent_keys is not None:
+            k = reference.overlay_recent(k, self.recent_keys, self.seq_lens, self.recent_from)
+            v = reference.overlay_recent(v, self.recent_values, self.seq_lens, self.recent_from)
         return k[:, :, : self.length].to(dtype), v[:, :, : self.length].to(dtype)
 
     def memory_footprint(self) -> int:
-        tensors = (self.pool, self.prefix_keys, self.prefix_values)
+        tensors = (self.pool, self.prefix_keys, self.prefix_values, self.recent_keys, self.recent_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ---- paging ------------------------------------------------------------------------------------
@@ -280,9 +349,24 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.prefix_keys is not None:
             self.prefix_keys = self.prefix_keys.index_select(0, indices)
             self.prefix_values = self.prefix_values.index_select(0, indices)
+        if self.recent_keys is not None:
+            self.recent_keys = self.recent_keys.index_select(0, indices)
+            self.recent_values = self.recent_values.index_select(0, indices)
         if new_rows != self.rows:
             self.rows = new_rows
             self._rebuild_tables()
+
+
+def _key_mean(key_states: torch.Tensor) -> torch.Tensor:
+    """[B, H, L, D] -> [H, D] float32 channel mean (key_centering), finite whatever the input.
+
+    The plain float32 mean is kept wherever it is finite; where it is not (the sum of keys near the
+    float32 maximum overflows, or a NaN/inf sits among the first tokens) a mean taken at a 2**-64
+    scale over the finite elements replaces it, so one bad token cannot poison every row's keys.
+    """
+    mean = key_states.float().mean(dim=(0, 2))
+    scaled = key_states.float().nan_to_num(0.0, 0.0, 0.0) * 2.0**-64
+    return torch.where(mean.isfinite(), mean, scaled.mean(dim=(0, 2)) * 2.0**64)
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
@@ -330,10 +414,25 @@ class TurboQuantCache(Cache):
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"layer_idx {layer_idx!r} does not exist: this TurboQuantCache has {len(self.layers)} "
+                             f"layers (0 to {len(self.layers) - 1}, from the model config it was built with)")
         layer = self.layers[layer_idx]
+        if layer.get_seq_length() == 0:  # a layer (re)starting a batch: every layer must hold the same rows
+            self._check_batch_size(layer_idx, key_states.shape[0])
         if isinstance(layer, TurboQuantLayer):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def _check_batch_size(self, layer_idx: int, rows: int) -> None:
+        """Runs on prefill only (an empty layer): one Python pass over the layers."""
+        for i, other in enumerate(self.layers):
+            held = _rows_held(other)
+            if i != layer_idx and held is not None and held != rows:
+                raise ValueError(
+                    f"layer {layer_idx} got a batch of {rows} rows but layer {i} of this TurboQuantCache holds "
+                    f"{held}; every layer must hold the same batch (call reset() to start a new one)"
+                )
 
     @property
     def attends_compressed(self) -> bool:
@@ -379,6 +478,13 @@ class TurboQuantCache(Cache):
 
     def __repr__(self) -> str:
         return self.summary()
+
+
+def _rows_held(layer) -> int | None:
+    """Batch size of a non-empty layer (compressed or dense), else None."""
+    if layer.get_seq_length() == 0:
+        return None
+    return layer.rows if isinstance(layer, TurboQuantLayer) else layer.keys.shape[0]
 
 
 def _check_layer_types(text_config, num_layers: int) -> None:

@@ -16,6 +16,7 @@ BLOCK_SIZES = (16, 32, 64)
 PREFILL_MODES = ("exact", "compressed")
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
+MAX_RECENT_WINDOW = 4096  # exact most-recent tokens per row (a dense ring buffer)
 MAX_EXACT_PREFIX = 64  # exact leading tokens per row (a dense side buffer read as one small tile)
 
 # One 16-bit (bfloat16) field each per (token, KV head). bfloat16, not float16: activations of
@@ -59,6 +60,9 @@ class TurboQuantConfig:
     exact_prefix_tokens: the first real tokens of every row (attention sinks: they draw a large
         share of every query's attention) are also kept exact, in the model's dtype, and read
         from there by attention; 0 turns it off.
+    recent_window: the most recent tokens of every row are also kept exact, in a ring buffer of
+        this many tokens in the model's dtype, and read from there by attention (as HF's
+        QuantizedCache keeps its residual); 0 turns it off. A constant, not a per-token, cost.
     prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
         values (they are compressed into the cache all the same); "compressed" makes it read
         the compressed cache, as decode always does.
@@ -74,6 +78,7 @@ class TurboQuantConfig:
     key_centering: bool = False
     value_rotation: bool = False
     exact_prefix_tokens: int = 0
+    recent_window: int = 0
     prefill_attention: str = "exact"
     seed: int = 0
 
@@ -95,6 +100,8 @@ class TurboQuantConfig:
             raise ValueError(
                 f"exact_prefix_tokens must be an int from 0 to {MAX_EXACT_PREFIX}, got {self.exact_prefix_tokens!r}"
             )
+        if not (type(self.recent_window) is int and 0 <= self.recent_window <= MAX_RECENT_WINDOW):
+            raise ValueError(f"recent_window must be an int from 0 to {MAX_RECENT_WINDOW}, got {self.recent_window!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

@@ -247,6 +247,17 @@ def overlay_prefix(dense: torch.Tensor, prefix: torch.Tensor, kv_start: torch.Te
     return torch.where(inside[:, None, :, None], picked, dense)
 
 
+def overlay_recent(dense: torch.Tensor, ring: torch.Tensor, seq_lens: torch.Tensor, recent_from: int) -> torch.Tensor:
+    """dense [B, H, S, D] with positions j in [max(recent_from, seq_lens[b] - W), seq_lens[b]) taken
+    from ring[:, :, j % W] (ring [B, H, W, D])."""
+    w = ring.shape[2]
+    j = torch.arange(dense.shape[2], device=dense.device)
+    lo = (seq_lens.long() - w).clamp_min(recent_from)
+    inside = (j[None, :] >= lo[:, None]) & (j[None, :] < seq_lens.long()[:, None])  # [B, S]
+    picked = ring.float()[:, :, j % w]
+    return torch.where(inside[:, None, :, None], picked, dense)
+
+
 # ---- attention -------------------------------------------------------------------------------
 def attention_mask(
     num_queries: int,
@@ -325,6 +336,9 @@ def paged_attention(
     key_offset: torch.Tensor | None = None,
     prefix_keys: torch.Tensor | None = None,
     prefix_values: torch.Tensor | None = None,
+    recent_keys: torch.Tensor | None = None,
+    recent_values: torch.Tensor | None = None,
+    recent_from: int = 0,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed cache; returns query's dtype.
 
@@ -332,7 +346,9 @@ def paged_attention(
     its last Lq positions (causal, bottom-right aligned). fp32 throughout. `max_seq_len`, if
     given, is a host-side upper bound on seq_lens that limits how many blocks are read.
     `prefix_keys`/`prefix_values` [B, Hk, P, D] (exact_prefix_tokens) replace what the pool holds
-    at positions kv_start[b] + s, s < P (see overlay_prefix).
+    at positions kv_start[b] + s, s < P (see overlay_prefix). `recent_keys`/`recent_values`
+    [B, Hk, W, D] (recent_window) is a ring: position j sits at j % W and replaces the pool for
+    j in [max(recent_from, seq_lens[b] - W), seq_lens[b]) (see overlay_recent).
     """
     if max_seq_len is not None:
         block_table = block_table[:, : -(-max_seq_len // layout.block_size)]
@@ -340,6 +356,9 @@ def paged_attention(
     if prefix_keys is not None:
         k = overlay_prefix(k, prefix_keys, kv_start)
         v = overlay_prefix(v, prefix_values, kv_start)
+    if recent_keys is not None:
+        k = overlay_recent(k, recent_keys, seq_lens, recent_from)
+        v = overlay_recent(v, recent_values, seq_lens, recent_from)
     mask = attention_mask(query.shape[2], k.shape[2], seq_lens, kv_start, sliding_window)
     out = dense_attention(query, k, v, mask, scale, sinks, softcap)
     return out.to(query.dtype)
