@@ -75,9 +75,18 @@ def tiny_model(family: str, attn: str = "turboquant", dtype=torch.float32, devic
     return model.to(device).eval()
 
 
+# The base format without the fidelity levers, for tests that check one mechanism in isolation.
+PLAIN_LEVERS = dict(key_centering=False, value_rotation=False, exact_prefix_tokens=0, recent_window=0)
+
+
 def tq_config(**overrides) -> TurboQuantConfig:
-    """4bit with the middle layer of the 3 compressed and the last kept dense (both kinds exercised)."""
-    return TurboQuantConfig.from_preset(overrides.pop("preset", "4bit"), full_precision_layers=(-1,), **overrides)
+    """4bit with the middle layer of the 3 compressed and the last kept dense (both kinds exercised).
+
+    The levers stay on, with a ring and prefix small enough for tiny prompts to reach the pool.
+    """
+    levers = dict(exact_prefix_tokens=2, recent_window=4)
+    return TurboQuantConfig.from_preset(overrides.pop("preset", "4bit"), full_precision_layers=(-1,),
+                                        **{**levers, **overrides})
 
 
 # ---- the independent reference: DynamicCache with quantize-dequantized K/V -----------------------

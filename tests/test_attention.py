@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import FAMILIES, assert_close, fake_quantize, left_padded_batch, tiny_model, tq_config, with_cache
+from models import PLAIN_LEVERS, FAMILIES, assert_close, fake_quantize, left_padded_batch, tiny_model, tq_config, with_cache
 from transformers import DynamicCache, LlamaConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -56,7 +56,7 @@ def module(groups: int):
 def test_compressed_attention_matches_reference_math(rows, prompt, decode, features):
     """Queries over the pool == reference.dense_attention over the fake-quantized K/V (fp32)."""
     hq, hk, d = 6, 2, 64
-    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed")
+    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed", **PLAIN_LEVERS)
     llama = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
                         num_hidden_layers=1, vocab_size=8, intermediate_size=8)
     llama._attn_implementation = "turboquant"
@@ -145,7 +145,7 @@ def test_cross_attention_and_training_dropout_are_rejected_over_the_cache():
     llama = LlamaConfig(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
                         num_hidden_layers=1, vocab_size=8, intermediate_size=8)
     llama._attn_implementation = "turboquant"
-    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed")
+    cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed", **PLAIN_LEVERS)
     q = torch.randn(1, 2, 3, 64)
     for mod, kwargs, message in (
         (SimpleNamespace(is_causal=False, training=False, num_key_value_groups=1), {}, "cross-attention"),

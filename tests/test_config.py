@@ -28,10 +28,20 @@ def test_presets_table_is_exactly_the_four_documented():
     assert set(PRESETS) == {"k8v4", "4bit", "k3v4", "3bit"}
 
 
-def test_default_config_keeps_first_and_last_two_layers():
+def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     cfg = TurboQuantConfig()
+    assert cfg == TurboQuantConfig.from_preset("4bit")
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
-    assert cfg.full_precision_layers == (0, 1, -2, -1)
+    assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (False, True, 4, 128)
+    assert cfg.full_precision_layers == ()
+
+
+@pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),
+                                        ("exact_prefix_tokens", 2.0), ("recent_window", -1),
+                                        ("recent_window", 5000), ("key_centering", 1), ("value_rotation", "yes")])
+def test_lever_fields_validated(field, bad):
+    with pytest.raises(ValueError, match=field):
+        TurboQuantConfig(**{field: bad})
 
 
 def test_from_preset_overrides():
@@ -129,7 +139,9 @@ def test_hadamard_needs_power_of_two(head_dim):
     assert str(head_dim) in str(err.value) and "random" in str(err.value)
     TurboQuantConfig(rotation="random").check_head_dim(head_dim)
     # FP8 keys are not rotated, so hadamard + a non-power-of-two head_dim is fine there
-    TurboQuantConfig.from_preset("k8v4", rotation="hadamard").check_head_dim(head_dim)
+    TurboQuantConfig.from_preset("k8v4", rotation="hadamard", value_rotation=False).check_head_dim(head_dim)
+    with pytest.raises(ValueError, match="hadamard"):  # ... but value_rotation rotates the values
+        TurboQuantConfig.from_preset("k8v4", rotation="hadamard").check_head_dim(head_dim)
 
 
 @pytest.mark.parametrize("head_dim", [0, 8, 16, 24, 40, 100, 264, 272, 512])

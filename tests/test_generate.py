@@ -21,12 +21,16 @@ from tq_hf import TurboQuantCache
 ATOL = 1e-4  # fp32 logits: same math in a different order (paged reference vs sdpa over dense K/V)
 
 
-def compare(model, ids, mask, cfg, what, device="cpu", atol=ATOL, **kwargs):
-    """Generate with TurboQuantCache and with the oracle; assert equal; return both results."""
+def compare(model, ids, mask, cfg, what, device="cpu", atol=ATOL, oracle_padding=True, **kwargs):
+    """Generate with TurboQuantCache and with the oracle; assert equal; return both results.
+
+    oracle_padding=False: the oracle counts the exact prefix from position 0, as the cache does under
+    another attention implementation (which never tells it where the padding ends).
+    """
     torch.manual_seed(1234)
     ours = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), **kwargs)
     torch.manual_seed(1234)
-    oracle = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask), **kwargs)
+    oracle = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask if oracle_padding else None), **kwargs)
     assert torch.equal(ours[0], oracle[0]), f"{what}: tokens differ\n{ours[0]}\n{oracle[0]}"
     assert_close(ours[1], oracle[1], atol=atol, rtol=1e-4, what=f"{what}: logits")
     return ours, oracle
@@ -136,7 +140,7 @@ def test_cache_reuse_across_generate_calls():
     ids, mask, _ = left_padded_batch([8, 5], seed=10)
     turn = torch.randint(3, 90, (2, 4), generator=torch.Generator().manual_seed(0))
     results = []
-    for cache in (TurboQuantCache(model.config, tq_config=tq_config()), FakeQuantCache(model.config, tq_config())):
+    for cache in (TurboQuantCache(model.config, tq_config=tq_config()), FakeQuantCache(model.config, tq_config(), mask)):
         first, _ = generate(model, ids, mask, cache, max_new_tokens=5)
         ids2 = torch.cat([first, turn], 1)
         mask2 = torch.cat([mask, torch.ones(2, ids2.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
@@ -150,7 +154,7 @@ def test_other_attention_implementation_over_the_cache():
     """TurboQuantCache under sdpa gets the dequantized history: same result as the oracle under sdpa."""
     model = tiny_model("llama", attn="sdpa")
     ids, mask, _ = left_padded_batch([9, 4], seed=11)
-    compare(model, ids, mask, tq_config(), "sdpa over TurboQuantCache", max_new_tokens=6)
+    compare(model, ids, mask, tq_config(), "sdpa over TurboQuantCache", max_new_tokens=6, oracle_padding=False)
 
 
 def test_summary_after_generate():

@@ -25,9 +25,12 @@ HYPOTHESIS = settings(max_examples=15, deadline=None, suppress_health_check=[Hea
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+# The base format, without the fidelity levers (tests/test_fidelity.py covers those).
+PLAIN = dict(key_centering=False, value_rotation=False, exact_prefix_tokens=0, recent_window=0)
+
 def make_config(preset: str, head_dim: int, block_size: int = 16, **overrides) -> TurboQuantConfig:
     rotation = "hadamard" if head_dim & (head_dim - 1) == 0 else "random"
-    return TurboQuantConfig.from_preset(preset, **{"rotation": rotation, "block_size": block_size, **overrides})
+    return TurboQuantConfig.from_preset(preset, **{"rotation": rotation, "block_size": block_size, **PLAIN, **overrides})
 
 
 def roundtrip_keys(key: torch.Tensor, cfg: TurboQuantConfig) -> torch.Tensor:
@@ -255,7 +258,7 @@ def test_key_distortion_matches_lloyd_max(bits, rotation):
     """Without norm correction, E||x - x_hat||^2 of unit vectors is the per-coordinate Lloyd-Max MSE."""
     gen = torch.Generator().manual_seed(bits)
     x = random_unit_vectors(8000, 128, gen)
-    cfg = TurboQuantConfig(key_bits=bits, norm_correction=False, rotation=rotation)
+    cfg = TurboQuantConfig(key_bits=bits, norm_correction=False, rotation=rotation, **PLAIN)
     err = (roundtrip_keys(x, cfg) - x).square().sum(-1)
     mse, sem = err.mean().item(), (err.std() / math.sqrt(len(err))).item()
     print(f"{bits}-bit {rotation}: E||x - x_hat||^2 = {mse:.5f} +- {sem:.5f}; exact-Beta {codebook_mse(128, bits):.5f}")

@@ -150,8 +150,10 @@ class TurboQuantLayer(CacheLayerMixin):
         self.seq_lens.fill_(self.length)
 
         exact = was_empty and self.layout.config.prefill_attention == "exact"
-        if dense:  # another attention implementation: padding unknown, the prefix counts from position 0
-            self.fill_prefix(key_states, value_states, start)
+        # padding known so far (none at a first prefill: the prefix then counts from position 0; the
+        # "turboquant" attention refills it once this forward's mask has told where the padding ends)
+        self.fill_prefix(key_states, value_states, start)
+        if dense:  # another attention implementation: it never tells the cache where the padding ends
             return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
         setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start))
         return key_states, value_states

@@ -24,7 +24,11 @@ MAX_EXACT_PREFIX = 64  # exact leading tokens per row (a dense side buffer read 
 METADATA_FIELDS = ("key_scale", "value_scale", "value_mid")
 METADATA_FIELD_BYTES = 2
 
-PRESETS: dict[str, dict[str, int]] = {
+# The fidelity levers' defaults (value rotation, 4 exact leading tokens, a 128-token exact ring, no
+# full-precision layers) were chosen by measurement: eval/results/fidelity/README.md. Key centering
+# stays opt-in: its mean is measured on the first batch, so a row's codes would depend on the
+# other rows of its batch.
+PRESETS: dict[str, dict[str, int | bool]] = {
     "k8v4": {"key_bits": 8, "value_bits": 4},
     "4bit": {"key_bits": 4, "value_bits": 4},
     "k3v4": {"key_bits": 3, "value_bits": 4},
@@ -49,10 +53,11 @@ class TurboQuantConfig:
         (seeded Haar-orthogonal matrix, any supported head_dim).
     block_size: tokens per cache block (page).
     full_precision_layers: layer indices kept in an ordinary dense cache (negative indices count
-        from the end). The default keeps the first and last two, which the field found
-        necessary at low bit widths; pass () to compress every layer.
+        from the end), e.g. (0, 1, -2, -1) for the first and last two, which the field found
+        necessary at low bit widths without the levers below. Default (): on SmolLM2 they bought
+        nothing once the levers were on, and cost 0.37x instead of 0.27x of fp16 bytes.
     key_centering: subtract a per-(layer, KV head) channel mean, measured on the layer's first
-        update, from keys before quantizing. Softmax is invariant to the constant q . mean term,
+        update (over the whole batch: rows then depend on each other), from keys before quantizing. Softmax is invariant to the constant q . mean term,
         so attention needs no correction (except with attention sinks, where it is added back);
         it removes the large per-channel key biases that dominate the quantization error.
     value_rotation: rotate values before quantizing them (outliers spread over all channels);
@@ -74,11 +79,11 @@ class TurboQuantConfig:
     norm_correction: bool = True
     rotation: str = "hadamard"
     block_size: int = 16
-    full_precision_layers: tuple[int, ...] = (0, 1, -2, -1)
+    full_precision_layers: tuple[int, ...] = ()
     key_centering: bool = False
-    value_rotation: bool = False
-    exact_prefix_tokens: int = 0
-    recent_window: int = 0
+    value_rotation: bool = True
+    exact_prefix_tokens: int = 4
+    recent_window: int = 128
     prefill_attention: str = "exact"
     seed: int = 0
 
