@@ -17,7 +17,8 @@ BOUNDARY_RTOL = 1e-5  # a code may differ only for a coordinate this close to a 
 def make_layout(preset: str, num_kv_heads: int, head_dim: int, block_size: int = 16, **options) -> BlockLayout:
     """options: further TurboQuantConfig fields (key_centering=True, value_rotation=True)."""
     rotation = "hadamard" if head_dim & (head_dim - 1) == 0 else "random"
-    cfg = TurboQuantConfig.from_preset(preset, rotation=rotation, block_size=block_size, seed=3, **options)
+    plain = dict(key_centering=False, value_rotation=False, exact_prefix_tokens=0, recent_window=0)
+    cfg = TurboQuantConfig.from_preset(preset, rotation=rotation, block_size=block_size, seed=3, **{**plain, **options})
     return BlockLayout(cfg, num_kv_heads, head_dim)
 
 
@@ -157,3 +158,26 @@ def attention_tolerance(dtype: torch.dtype, ref32: torch.Tensor) -> float:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def exact_prefix(layout: BlockLayout, rows: int, length: int, dtype=torch.float32,
+                 device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random exact_prefix_tokens buffers [rows, H, P, D]: keys large enough to draw a real share
+    of the attention (as attention-sink tokens do) and values off-centre, so a kernel that reads
+    the pool at those positions instead, or mistreats them, lands far from the reference."""
+    shape = (rows, layout.num_kv_heads, length, layout.head_dim)
+    keys = torch.randn(shape, device=device) * 3
+    values = torch.randn(shape, device=device) * 2 + 1.5
+    return keys.to(dtype), values.to(dtype)
+
+
+def poison_positions(pool: torch.Tensor, layout: BlockLayout, table: torch.Tensor, rows_positions) -> None:
+    """Overwrite every head's slot at the given (row, positions) pairs with garbage codes (0xFF)
+    and NaN metadata, so any read of those slots shows up as NaN in the output."""
+    t = layout.block_size
+    for row, positions in rows_positions:
+        for pos in positions:
+            blk, off = table[row, pos // t].long(), pos % t
+            layout.key_codes(pool)[blk, :, off] = 0xFF
+            layout.value_codes(pool)[blk, :, off] = 0xFF
+            layout.metadata(pool)[blk, :, :, off] = float("nan")

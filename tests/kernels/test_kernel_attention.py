@@ -15,12 +15,21 @@ import torch
 from tq_hf import reference
 from tq_hf.kernels import unified_attention
 
-from kernel_helpers import DEVICE, attention_tolerance, default_scale, fill_cache, make_layout, rel_error
+from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
+                            poison_positions, rel_error)
 
 
-def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, **kw):
+def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, **kw):
+    """Kernel vs reference on a fresh cache. prefix_len P > 0: exact_prefix_tokens buffers are
+    passed and the pool's slots at positions kv_start + s (s < P) are poisoned (NaN), so the
+    kernel must take those positions from the buffers."""
     pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
     b = len(lens)
+    if prefix_len:
+        starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
+        poison_positions(pool, layout, table, [(r, range(st, min(st + prefix_len, n)))
+                                               for r, (st, n) in enumerate(zip(starts, lens))])
+        kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, b, prefix_len, dtype, device)
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
@@ -30,7 +39,8 @@ def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, **kw)
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, **kw)
     assert got is out
     err, tol = rel_error(got, want), attention_tolerance(dtype, want)
-    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group})"
+    assert err <= tol, (f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group}, "
+                        f"P={prefix_len})")
     return got, want
 
 
@@ -147,6 +157,96 @@ def test_attention_rejects_bad_inputs():
         unified_attention(q, pool, layout, table, seq, 0.1, num_splits=2, workspace=torch.empty(3, device=DEVICE))
 
 
+# ---- exact_prefix_tokens: positions kv_start + s (s < P) read from dense buffers, pool poisoned there ----
+def _fidelity_options(layout, group, device=DEVICE) -> dict:
+    """key_offset (the pool is stored centred on it) and sinks, where q . mu does not cancel."""
+    hk, d = layout.num_kv_heads, layout.head_dim
+    return {"key_offset": torch.randn(hk, d, device=device) * 3, "sinks": torch.randn(hk * group, device=device)}
+
+
+# decode on the split path; row 0 holds fewer tokens than P, rows 1-2 are left padded
+@pytest.mark.parametrize("preset,group,prefix_len,options,dtype", [
+    ("4bit", 4, 4, True, torch.float32),
+    ("k8v4", 1, 5, True, torch.bfloat16),
+    ("3bit", 4, 19, True, torch.float16),
+    ("4bit", 1, 4, False, torch.float16),  # plain 4-bit values: the prefix joins the lo/hi output halves
+    ("3bit", 4, 4, False, torch.float32),
+])
+def test_exact_prefix_decode(preset, group, prefix_len, options, dtype):
+    layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, group) if options else {"softcap": 5.0}
+    _check(layout, [3, 37, 90], 1, group, dtype=dtype, prefix_len=prefix_len, num_splits=3,
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
+
+
+# prefill: several row tiles (G * Lq > 64), a first prefill (Lq == S) and a chunk of a longer cache
+@pytest.mark.parametrize("preset,group,q_len,options", [
+    ("4bit", 4, 23, True), ("k8v4", 1, 40, False), ("3bit", 4, 17, True),
+])
+def test_exact_prefix_prefill(preset, group, q_len, options):
+    layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, group) if options else {"softcap": 5.0}
+    _check(layout, [q_len, 50], q_len, group, prefix_len=4, kv_start=torch.tensor([6, 0], device=DEVICE), **kw)
+
+
+def test_exact_prefix_sliding_window():
+    """The window drops the prefix for late queries: partly (positions 2, 3 of 0..3 stay) or fully."""
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 2)
+    _check(layout, [12, 60], 1, 2, prefix_len=4, sliding_window=10, num_splits=2, **kw)
+    _check(layout, [30], 30, 2, prefix_len=4, sliding_window=8, **kw)  # early queries see it, late ones do not
+
+
+def test_exact_prefix_mutations_are_detected():
+    """The check above can tell a correct prefix from the plausible mistakes: ignoring it (reading
+    the pool there), adding the key_centering mean to exact keys, rotating exact values by Rv."""
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4)
+    lens, kv_start = [37, 90], torch.tensor([2, 0], device=DEVICE)
+    pool, table = fill_cache(layout, lens, DEVICE, key_offset=kw["key_offset"])
+    pk, pv = exact_prefix(layout, 2, 4)
+    q = torch.randn(2, 8, 1, 64, device=DEVICE)
+    seq, scale = torch.tensor(lens, device=DEVICE), default_scale(64)
+    common = dict(kv_start=kv_start, num_splits=3, **kw)
+    got = unified_attention(q, pool, layout, table, seq, scale, prefix_keys=pk, prefix_values=pv, **common)
+
+    def ref(prefix_keys=pk, prefix_values=pv):
+        kwargs = {} if prefix_keys is None else {"prefix_keys": prefix_keys, "prefix_values": prefix_values}
+        return reference.paged_attention(q, pool, layout, table, seq, scale, kv_start=kv_start, **kw, **kwargs)
+
+    assert rel_error(got, ref()) <= 1e-3
+    rv = reference.value_rotation_matrix(layout.config, 64)
+    mutants = {"prefix ignored": ref(None, None), "mean added to exact keys": ref(pk + kw["key_offset"][None, :, None]),
+               "exact values rotated": ref(prefix_values=pv @ rv)}
+    for name, mutant in mutants.items():
+        assert rel_error(got, mutant) > 1e-2, f"the kernel output is as close to the mutant '{name}' as to the spec"
+
+
+def test_exact_prefix_rejects_bad_inputs():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [20], DEVICE)
+    q = torch.randn(1, 4, 1, 64, device=DEVICE)
+    seq = torch.tensor([20], device=DEVICE)
+    pk, pv = exact_prefix(layout, 1, 4)
+    call = lambda **kw: unified_attention(q, pool, layout, table, seq, 0.1, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="given together"):
+        call(prefix_keys=pk)
+    with pytest.raises(ValueError, match=r"prefix_values must be \[1, 2, P, 64\]"):
+        call(prefix_keys=pk, prefix_values=pv[:, :1])
+    with pytest.raises(ValueError, match="1 <= P <= 64"):
+        call(prefix_keys=torch.zeros(1, 2, 65, 64), prefix_values=torch.zeros(1, 2, 65, 64))
+    with pytest.raises(ValueError, match="same shape"):
+        call(prefix_keys=pk, prefix_values=pv[:, :, :3])
+    with pytest.raises(TypeError, match="prefix_keys has dtype"):
+        call(prefix_keys=pk.double(), prefix_values=pv)
+    with pytest.raises(ValueError, match="prefix_keys must have 4 dimensions"):
+        call(prefix_keys=pk[0], prefix_values=pv)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        call(prefix_keys=torch.zeros(1, 2, 4, 128)[..., ::2], prefix_values=pv)
+    with pytest.raises(TypeError, match="prefix_values must be a torch.Tensor"):
+        call(prefix_keys=pk, prefix_values=pv.numpy())
+
+
 # ---- real sizes on the GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
@@ -189,4 +289,40 @@ def test_decode_cuda_graph_capture_gpu():
     q.copy_(torch.randn_like(q))
     graph.replay()
     want = reference.paged_attention(q, pool, layout, table, seq, 0.088)
+    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.parametrize("options", [False, True])
+def test_exact_prefix_real_size_gpu(preset, options):
+    layout = make_layout(preset, 8, 128, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4, "cuda") if options else {}
+    _check(layout, [32768, 32768 - 77], 1, 4, dtype=torch.bfloat16, device="cuda", max_seq_len=32768,
+           prefix_len=4, kv_start=torch.tensor([0, 13], device="cuda"), softcap=30.0, **kw)
+    _check(layout, [2048, 1999], 1999, 4, dtype=torch.float16, device="cuda", prefix_len=64,
+           kv_start=torch.tensor([5, 0], device="cuda"), sliding_window=1024, **kw)
+
+
+@pytest.mark.gpu
+def test_exact_prefix_cuda_graph_capture_gpu():
+    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4, "cuda")
+    pool, table = fill_cache(layout, [4000, 1234, 9], "cuda", key_offset=kw["key_offset"])
+    seq, kv_start = torch.tensor([4000, 1234, 9], device="cuda"), torch.tensor([0, 7, 1], device="cuda")
+    pk, pv = exact_prefix(layout, 3, 4, torch.float16, "cuda")
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    args = (q, pool, layout, table, seq, 0.088)
+    kwargs = dict(kv_start=kv_start, max_seq_len=4096, out=out, prefix_keys=pk, prefix_values=pv, **kw)
+    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        unified_attention(*args, **kwargs)
+    q.copy_(torch.randn_like(q))
+    pv.copy_(torch.randn_like(pv))
+    graph.replay()
+    kwargs.pop("out")
+    want = reference.paged_attention(*args, **kwargs)
     assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())

@@ -14,6 +14,12 @@ Format options: key_centering adds q . mu (computed once per row from the unrota
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
 are read one 3-byte group (8 codes) at a time.
+exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers of original
+keys/values instead of the pool, and the compressed walk starts after them. Split 0 (the only
+split of a prefill tile) attends over them first, as one dense tile, while its accumulators are
+still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
+into the code accumulators (pre-rotated by Rv^T under value_rotation, so the epilogue's Rv
+restores them): the walk and the epilogue are the same with or without a prefix.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..config import MAX_EXACT_PREFIX
 from ..layout import BlockLayout
 from ._common import (
     ACTIVATION_DTYPES,
@@ -75,6 +82,40 @@ def _load_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.conste
 
 
 @triton.jit
+def _log2_logits(s, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Scaled scores -> log2-domain logits, soft-capped first (tanh via exp of -|s|: no overflow)."""
+    if HAS_SOFTCAP:
+        e = tl.exp(-2.0 * tl.abs(s) / softcap)
+        th = (1.0 - e) / (1.0 + e)
+        s = softcap * tl.where(s < 0, -th, th)
+    return s * 1.4426950408889634
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """One online-softmax step over log2 logits s [M, N] (-inf where masked):
+    returns (probabilities p, rescale alpha of the old state, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _prefix_value_cols(v_base, s_pos, pc, p_ok, vrot_ptr, cols, col_ok, dc, D: tl.constexpr, VALUE_ROT: tl.constexpr):
+    """Columns `cols` of the exact prefix values [N, D] in the space the accumulators hold:
+    under value_rotation that is v @ Rv^T, so the epilogue's multiplication by Rv restores v."""
+    if VALUE_ROT:
+        v = tl.load(v_base + pc[:, None] * s_pos + dc[None, :], mask=p_ok[:, None] & (dc[None, :] < D), other=0.0)
+        rv_t = tl.load(vrot_ptr + cols[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & col_ok[None, :], other=0.0)
+        return tl.dot(v.to(tl.float32), rv_t, input_precision="tf32x3")
+    else:
+        v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0.0)
+        return v.to(tl.float32)
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, s_qb, s_qh, s_ql,  # [B, Hq, Lq, D] fp16/bf16/fp32, last dim contiguous
     o_ptr, s_ob, s_oh, s_ol,  # [B, Hq, Lq, D] query dtype
@@ -89,6 +130,9 @@ def _attn_kernel(
     vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
     pout_ptr,  # [B, Hk, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
     plse_ptr,  # [B, Hk, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
+    pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
+    pv_ptr, s_pvb, s_pvh, s_pvp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix values, if HAS_PREFIX
+    prefix_len,  # P: positions kv_start + s, s < P, are read from the prefix buffers
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
@@ -96,6 +140,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC_B: tl.constexpr,
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -114,10 +159,13 @@ def _attn_kernel(
     i_first = (m_tile * BLOCK_M) // G
     i_last = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // G, Lq - 1)
     kv_hi = tl.maximum(seq_len - Lq + i_last + 1, 0)
-    kv_lo = 0
+    kv_first = 0  # first real position
     if HAS_KV_START:
         kv_first = tl.load(kvs_ptr + b).to(tl.int32)
-        kv_lo = tl.maximum(kv_lo, kv_first)
+    pool_first = kv_first  # first position read from the pool
+    if HAS_PREFIX:
+        pool_first = kv_first + prefix_len
+    kv_lo = tl.maximum(pool_first, 0)
     if HAS_WINDOW:
         kv_lo = tl.maximum(kv_lo, seq_len - Lq + i_first - window + 1)
     kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
@@ -145,12 +193,13 @@ def _attn_kernel(
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
     else:
+        q_key = q  # the query in the keys' space
         if KEY_BITS == 3:
             r_t = tl.load(rot_ptr + dc[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
-            q = tl.dot(q, r_t, input_precision="tf32x3")
-        qmax = tl.max(tl.abs(q), axis=1)
+            q_key = tl.dot(q, r_t, input_precision="tf32x3")
+        qmax = tl.max(tl.abs(q_key), axis=1)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
-        q16 = (q / qdiv).to(tl.float16)
+        q16 = (q_key / qdiv).to(tl.float16)
     row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
     if KEY_BITS != 8:
         nc = tl.arange(0, NC)
@@ -169,13 +218,37 @@ def _attn_kernel(
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
+    # ---- exact prefix: one dense tile of original keys/values, attended first by split 0 -------
+    if HAS_PREFIX:
+        if split == 0:
+            pc = tl.arange(0, PP)
+            ppos = kv_first + pc
+            p_ok = (pc < prefix_len) & (ppos < kv_hi)  # kv_hi <= seq_len: unfilled entries stay unread
+            kp = tl.load(pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh + pc[:, None] * s_pkp + dc[None, :],
+                         mask=p_ok[:, None] & (dc[None, :] < D), other=0.0)
+            sp = tl.dot(q, tl.trans(kp.to(tl.float32)), input_precision="tf32x3") * sm_scale  # exact keys: no q . mu
+            sp = _log2_logits(sp, softcap, HAS_SOFTCAP)
+            pvis = p_ok[None, :] & (ppos[None, :] <= qpos[:, None])
+            if HAS_WINDOW:
+                pvis = pvis & (ppos[None, :] > qpos[:, None] - window)
+            pp, _, m_i, l_i = _softmax_step(tl.where(pvis, sp, -float("inf")), m_i, l_i)  # accumulators still zero
+            v_base = pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh
+            if VALUE_BITS == 4:  # acc_b holds 16 x the high-half columns (see _nibbles_to_f16)
+                v_lo = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, hc, hc < D // 2, dc, D, VALUE_ROT)
+                v_hi = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, hc + D // 2, hc < D // 2, dc, D, VALUE_ROT)
+                acc_a = tl.dot(pp, v_lo, acc_a, input_precision="tf32x3")
+                acc_b = tl.dot(pp * 16.0, v_hi, acc_b, input_precision="tf32x3")
+            else:
+                v_all = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, dc, dc < D, dc, D, VALUE_ROT)
+                acc_a = tl.dot(pp, v_all, acc_a, input_precision="tf32x3")
+
     head_off = h.to(tl.int64) * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     for t0 in range(start, end, BLOCK_N):
         tok = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tok < end
-        if HAS_KV_START:
-            tok_ok = tok_ok & (tok >= kv_first)
+        if HAS_KV_START or HAS_PREFIX:
+            tok_ok = tok_ok & (tok >= pool_first)
         blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(tl.int64)
         off = tok % T
         plane = pool_ptr + blk * block_bytes + head_off
@@ -199,23 +272,14 @@ def _attn_kernel(
         s = s * row_scale[:, None] * k_scale[None, :]
         if HAS_KEY_OFFSET:
             s = s + q_mu[:, None]
-        if HAS_SOFTCAP:
-            e = tl.exp(-2.0 * tl.abs(s) / softcap)
-            th = (1.0 - e) / (1.0 + e)
-            s = softcap * tl.where(s < 0, -th, th)
-        s = s * 1.4426950408889634
+        s = _log2_logits(s, softcap, HAS_SOFTCAP)
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
             vis = vis & (tok[None, :] > qpos[:, None] - window)
         s = tl.where(vis, s, -float("inf"))
 
         # online softmax
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
 
         # values
         v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
@@ -281,6 +345,13 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     return buf
 
 
+def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
+    """(pointer, row, head, position strides) of a prefix buffer; a device placeholder when absent."""
+    if t is None:
+        return placeholder, 0, 0, 0
+    return t, t.stride(0), t.stride(1), t.stride(2)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -327,6 +398,27 @@ def _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
 
 
+def _check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, device) -> int:
+    """Validate the exact_prefix_tokens buffers; return P (0 when neither is given)."""
+    if (prefix_keys is None) != (prefix_values is None):
+        raise ValueError("prefix_keys and prefix_values (exact_prefix_tokens) must be given together, or neither")
+    if prefix_keys is None:
+        return 0
+    expected = f"[{batch}, {layout.num_kv_heads}, P, {layout.head_dim}] with 1 <= P <= {MAX_EXACT_PREFIX}"
+    for name, t in (("prefix_keys", prefix_keys), ("prefix_values", prefix_values)):
+        check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
+        b, hk, p, d = t.shape
+        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= p <= MAX_EXACT_PREFIX:
+            raise ValueError(f"{name} must be {expected} (rows, KV heads, prefix tokens, head_dim), "
+                             f"got {list(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    if prefix_keys.shape != prefix_values.shape:
+        raise ValueError(f"prefix_keys {list(prefix_keys.shape)} and prefix_values {list(prefix_values.shape)} "
+                         "must have the same shape")
+    return prefix_keys.shape[2]
+
+
 def unified_attention(
     query: torch.Tensor,
     pool: torch.Tensor,
@@ -344,11 +436,15 @@ def unified_attention(
     workspace: torch.Tensor | None = None,
     tuning: dict | None = None,
     key_offset: torch.Tensor | None = None,
+    prefix_keys: torch.Tensor | None = None,
+    prefix_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed pool (see reference.paged_attention).
 
     key_offset: the key_centering mean [Hk, D] the keys were stored with (keys read as k_hat + mu);
     value_rotation comes from the layout's config (the output is rotated back once per row).
+    prefix_keys/prefix_values: [B, Hk, P, D] exact original keys/values (exact_prefix_tokens) read
+    instead of the pool at positions kv_start[b] + s, s < P (reference.overlay_prefix).
 
     max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
@@ -360,6 +456,7 @@ def unified_attention(
                             sliding_window, softcap)
     key_offset = check_key_offset(key_offset, layout, pool.device)
     b, hq, lq, d = query.shape
+    prefix_len = _check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
     hk = layout.num_kv_heads
     g = hq // hk
     cfg = layout.config
@@ -423,6 +520,7 @@ def unified_attention(
         kv_start if kv_start is not None else dummy,
         sinks if sinks is not None else cent,
         rot, cent, key_offset if key_offset is not None else cent, vrot, pout, plse,
+        *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         layout.block_bytes, layout.plane_bytes,
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
@@ -432,6 +530,7 @@ def unified_attention(
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
+        HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:

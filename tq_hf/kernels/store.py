@@ -56,12 +56,18 @@ def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _bucket(y, bnd_ptr, NB: tl.constexpr):
-    """Codebook index of y = number of the NB ascending boundaries strictly below y (bucketize)."""
-    code = (y > tl.load(bnd_ptr)).to(tl.int32)
+def _bucket(y, bnd_ptr, cent_ptr, NB: tl.constexpr):
+    """(codebook index, centroid) of y: the index is the number of the NB ascending boundaries
+    strictly below y (torch.bucketize). A compare/select chain, not tl.gather: Triton 3.6 fails to
+    compile gathers whose axis is not warp-local (e.g. 16 rows over 8 warps)."""
+    above = y > tl.load(bnd_ptr)
+    code = above.to(tl.int32)
+    val = tl.where(above, tl.load(cent_ptr + 1), tl.load(cent_ptr))
     for i in tl.static_range(1, NB):
-        code += (y > tl.load(bnd_ptr + i)).to(tl.int32)
-    return code
+        above = y > tl.load(bnd_ptr + i)
+        code += above.to(tl.int32)
+        val = tl.where(above, tl.load(cent_ptr + i + 1), val)
+    return code, val
 
 
 @triton.jit
@@ -134,18 +140,15 @@ def _store_kernel(
         u = tl.math.div_rn(x, tl.where(nonzero, amax, 1.0)[:, None])
         rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
         inv = tl.where(nonzero, rms_u, 1.0)[:, None]
-        c = tl.load(cent_ptr + tl.arange(0, NC))
-        sq_table = tl.broadcast_to((c * c)[None, :], (BLOCK_T, NC))
         if KEY_BITS == 4:
             y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP)
-            c_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, NC - 1)
-            c_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, NC - 1)
-            sq = tl.gather(sq_table, c_lo, 1) + tl.gather(sq_table, c_hi, 1)
-            csum = tl.sum(tl.where(hc[None, :] < D // 2, sq, 0.0), axis=1)
+            c_lo, v_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC - 1)
+            c_hi, v_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, cent_ptr, NC - 1)
+            csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
             tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
         else:  # 3-bit: a little-endian bit stream, 8 codes -> 3 bytes
-            code = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, NC - 1)
-            csum = tl.sum(tl.where(cols[None, :] < D, tl.gather(sq_table, code, 1), 0.0), axis=1)
+            code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+            csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
             _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
         scale = amax * rms_u
         if NORM_CORRECTION:
