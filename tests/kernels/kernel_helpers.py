@@ -181,3 +181,18 @@ def poison_positions(pool: torch.Tensor, layout: BlockLayout, table: torch.Tenso
             layout.key_codes(pool)[blk, :, off] = 0xFF
             layout.value_codes(pool)[blk, :, off] = 0xFF
             layout.metadata(pool)[blk, :, :, off] = float("nan")
+
+
+def recent_range(seq_len: int, window: int, recent_from: int) -> range:
+    """The positions a recent_window ring of `window` slots serves for a row (reference.overlay_recent)."""
+    return range(max(recent_from, seq_len - window), seq_len)
+
+
+def recent_ring(layout: BlockLayout, rows: int, window: int, dtype=torch.float32,
+                device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random recent_window rings [rows, H, W, D], independent of the pool's keys/values and
+    off-centre, so reading the pool (or the prefix) at ring positions lands far from the spec."""
+    shape = (rows, layout.num_kv_heads, window, layout.head_dim)
+    keys = torch.randn(shape, device=device) * 2.5
+    values = torch.randn(shape, device=device) * 2 - 1.0
+    return keys.to(dtype), values.to(dtype)

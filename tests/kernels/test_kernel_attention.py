@@ -16,20 +16,32 @@ from tq_hf import reference
 from tq_hf.kernels import unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
-                            poison_positions, rel_error)
+                            poison_positions, recent_range, recent_ring, rel_error)
 
 
-def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, **kw):
+def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, recent=None, **kw):
     """Kernel vs reference on a fresh cache. prefix_len P > 0: exact_prefix_tokens buffers are
     passed and the pool's slots at positions kv_start + s (s < P) are poisoned (NaN), so the
-    kernel must take those positions from the buffers."""
+    kernel must take those positions from the buffers. recent=(W, recent_from): a recent_window
+    ring is passed and the pool's slots at its positions are poisoned too, as are the prefix
+    entries the ring covers (the ring wins there, as in reference.overlay_recent)."""
     pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
     b = len(lens)
+    starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
     if prefix_len:
-        starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
         poison_positions(pool, layout, table, [(r, range(st, min(st + prefix_len, n)))
                                                for r, (st, n) in enumerate(zip(starts, lens))])
         kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, b, prefix_len, dtype, device)
+    if recent is not None:
+        w, kw["recent_from"] = recent
+        ranges = [recent_range(n, w, kw["recent_from"]) for n in lens]
+        poison_positions(pool, layout, table, list(enumerate(ranges)))
+        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, b, w, dtype, device)
+        for r, (st, ring) in enumerate(zip(starts, ranges)):
+            for s in range(prefix_len):  # prefix entries the ring serves must stay unread
+                if st + s in ring:
+                    kw["prefix_keys"][r, :, s] = float("nan")
+                    kw["prefix_values"][r, :, s] = float("nan")
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
@@ -40,7 +52,7 @@ def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefi
     assert got is out
     err, tol = rel_error(got, want), attention_tolerance(dtype, want)
     assert err <= tol, (f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group}, "
-                        f"P={prefix_len})")
+                        f"P={prefix_len}, recent={recent})")
     return got, want
 
 
@@ -247,6 +259,83 @@ def test_exact_prefix_rejects_bad_inputs():
         call(prefix_keys=pk, prefix_values=pv.numpy())
 
 
+# ---- recent_window: positions [max(recent_from, S - W), S) read from a ring, pool poisoned there ----
+# decode on the split path (the last split walks the ring), GQA 4, left padding; row 0 (3 tokens) is
+# all ring and overlaps the P=2 prefix; W=40 makes row 1's ring cover its padding and prefix too;
+# recent_from=35 (after a crop) leaves row 0 no ring and row 1 two ring positions
+@pytest.mark.parametrize("preset,options,prefix_len,recent,dtype", [
+    ("4bit", True, 2, (16, 0), torch.float32),
+    ("k8v4", True, 2, (40, 0), torch.bfloat16),
+    ("4bit", False, 0, (16, 35), torch.float16),
+    ("k8v4", False, 2, (5, 35), torch.float32),
+])
+def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
+    layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
+    _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
+
+
+# prefill (several row tiles, Lq == S for row 0) and a chunk after a crop, with a sliding window
+@pytest.mark.parametrize("preset,options,q_len,lens,prefix_len,recent,window", [
+    ("4bit", True, 23, [23, 50], 2, (16, 0), None),
+    ("k8v4", True, 7, [30, 61], 2, (12, 27), 9),
+    ("4bit", False, 7, [30, 61], 0, (8, 0), 11),
+])
+def test_recent_window_prefill(preset, options, q_len, lens, prefix_len, recent, window):
+    layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {}
+    _check(layout, lens, q_len, 4, prefix_len=prefix_len, recent=recent, sliding_window=window,
+           kv_start=torch.tensor([6, 0], device=DEVICE), **kw)
+
+
+def test_recent_window_sliding_window_decode():
+    """The window ends inside the ring for row 1 (sees ring positions only) and the pool for row 0."""
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    _check(layout, [50, 90], 1, 4, recent=(16, 0), sliding_window=10, num_splits=4, **_fidelity_options(layout, 4))
+    _check(layout, [50, 90], 1, 4, recent=(8, 0), sliding_window=30, num_splits=2, **_fidelity_options(layout, 4))
+
+
+def test_recent_window_mutation_is_detected():
+    """With an unpoisoned pool, reading the pool instead of the ring lands far from the spec."""
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4)
+    lens = [37, 90]
+    pool, table = fill_cache(layout, lens, DEVICE, key_offset=kw["key_offset"])
+    rk, rv = recent_ring(layout, 2, 16)
+    q = torch.randn(2, 8, 1, 64, device=DEVICE)
+    seq, scale = torch.tensor(lens, device=DEVICE), default_scale(64)
+    got = unified_attention(q, pool, layout, table, seq, scale, num_splits=3, recent_keys=rk, recent_values=rv, **kw)
+    want = reference.paged_attention(q, pool, layout, table, seq, scale, recent_keys=rk, recent_values=rv, **kw)
+    assert rel_error(got, want) <= 1e-3
+    ignored = reference.paged_attention(q, pool, layout, table, seq, scale, **kw)
+    assert rel_error(got, ignored) > 1e-2, "the kernel output is as close to 'ring ignored' as to the spec"
+
+
+def test_recent_window_rejects_bad_inputs():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [20], DEVICE)
+    q = torch.randn(1, 4, 1, 64, device=DEVICE)
+    seq = torch.tensor([20], device=DEVICE)
+    rk, rv = recent_ring(layout, 1, 8)
+    call = lambda **kw: unified_attention(q, pool, layout, table, seq, 0.1, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="given together"):
+        call(recent_keys=rk)
+    with pytest.raises(ValueError, match=r"recent_values must be \[1, 2, W, 64\]"):
+        call(recent_keys=rk, recent_values=rv[:, :1])
+    with pytest.raises(ValueError, match="1 <= W <= 4096"):
+        call(recent_keys=torch.zeros(1, 2, 0, 64), recent_values=torch.zeros(1, 2, 0, 64))
+    with pytest.raises(ValueError, match="same shape"):
+        call(recent_keys=rk, recent_values=rv[:, :, :3])
+    with pytest.raises(TypeError, match="recent_keys has dtype"):
+        call(recent_keys=rk.double(), recent_values=rv)
+    with pytest.raises(ValueError, match="contiguous in its last"):
+        call(recent_keys=torch.zeros(1, 2, 8, 128)[..., ::2], recent_values=rv)
+    for bad in (-1, 2.0, True, torch.tensor(3)):
+        with pytest.raises(ValueError, match="recent_from must be an int >= 0"):
+            call(recent_keys=rk, recent_values=rv, recent_from=bad)
+
+
 # ---- real sizes on the GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
@@ -322,6 +411,44 @@ def test_exact_prefix_cuda_graph_capture_gpu():
         unified_attention(*args, **kwargs)
     q.copy_(torch.randn_like(q))
     pv.copy_(torch.randn_like(pv))
+    graph.replay()
+    kwargs.pop("out")
+    want = reference.paged_attention(*args, **kwargs)
+    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+def test_recent_window_real_size_gpu(preset):
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4, "cuda")
+    _check(layout, [32768, 32768 - 77, 3], 1, 4, dtype=torch.bfloat16, device="cuda", max_seq_len=32768,
+           prefix_len=4, recent=(128, 0), kv_start=torch.tensor([0, 13, 0], device="cuda"), softcap=30.0, **kw)
+    _check(layout, [32768, 32768 - 77, 3], 1, 4, dtype=torch.float16, device="cuda", max_seq_len=32768,
+           prefix_len=4, recent=(128, 32700), kv_start=torch.tensor([0, 13, 0], device="cuda"), **kw)
+    _check(layout, [2048, 1999], 1999, 4, dtype=torch.float16, device="cuda", prefix_len=4, recent=(128, 0),
+           kv_start=torch.tensor([5, 0], device="cuda"), sliding_window=1024, **kw)
+
+
+@pytest.mark.gpu
+def test_recent_window_cuda_graph_capture_gpu():
+    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4, "cuda")
+    pool, table = fill_cache(layout, [4000, 1234, 9], "cuda", key_offset=kw["key_offset"])
+    seq = torch.tensor([4000, 1234, 9], device="cuda")
+    rk, rv = recent_ring(layout, 3, 128, torch.float16, "cuda")
+    q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    args = (q, pool, layout, table, seq, 0.088)
+    kwargs = dict(max_seq_len=4096, out=out, recent_keys=rk, recent_values=rv, recent_from=5, **kw)
+    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        unified_attention(*args, **kwargs)
+    q.copy_(torch.randn_like(q))
+    rv.copy_(torch.randn_like(rv))
+    seq.add_(1)  # the next step: the ring range moves with seq_lens, read on the device
     graph.replay()
     kwargs.pop("out")
     want = reference.paged_attention(*args, **kwargs)

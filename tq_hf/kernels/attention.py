@@ -20,6 +20,11 @@ split of a prefill tile) attends over them first, as one dense tile, while its a
 still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
 into the code accumulators (pre-rotated by Rv^T under value_rotation, so the epilogue's Rv
 restores them): the walk and the epilogue are the same with or without a prefix.
+recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len - W), come from
+a dense ring of exact keys/values (position j at slot j % W) and win over the prefix and the
+pool there: the compressed walk (split across the splits) ends at ring_lo, the prefix tile drops
+positions >= ring_lo, and the last split (the only one of a prefill tile) then walks the ring
+range in dense tiles of RN tokens, scored and accumulated like the prefix (_exact_tile).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import MAX_EXACT_PREFIX
+from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
 from ..layout import BlockLayout
 from ._common import (
     ACTIVATION_DTYPES,
@@ -116,6 +121,33 @@ def _prefix_value_cols(v_base, s_pos, pc, p_ok, vrot_ptr, cols, col_ok, dc, D: t
 
 
 @triton.jit
+def _exact_tile(q, m_i, l_i, acc_a, acc_b, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos, window,
+                sm_scale, softcap, vrot_ptr, dc, hc, D: tl.constexpr, VALUE_BITS: tl.constexpr,
+                VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
+    rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
+    from the unrotated query (exact keys need no q . mu); values join the code accumulators in
+    their space (pre-rotated by Rv^T; acc_b holds 16 x the high half under 4-bit values)."""
+    k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
+    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3") * sm_scale
+    s = _log2_logits(s, softcap, HAS_SOFTCAP)
+    vis = ok[None, :] & (pos[None, :] <= qpos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (pos[None, :] > qpos[:, None] - window)
+    p, alpha, m_i, l_i = _softmax_step(tl.where(vis, s, -float("inf")), m_i, l_i)
+    bias_acc = bias_acc * alpha
+    if VALUE_BITS == 4:
+        v_lo = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, hc, hc < D // 2, dc, D, VALUE_ROT)
+        v_hi = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, hc + D // 2, hc < D // 2, dc, D, VALUE_ROT)
+        acc_a = tl.dot(p, v_lo, acc_a * alpha[:, None], input_precision="tf32x3")
+        acc_b = tl.dot(p * 16.0, v_hi, acc_b * alpha[:, None], input_precision="tf32x3")
+    else:
+        v_all = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, dc, dc < D, dc, D, VALUE_ROT)
+        acc_a = tl.dot(p, v_all, acc_a * alpha[:, None], input_precision="tf32x3")
+    return m_i, l_i, acc_a, acc_b, bias_acc
+
+
+@triton.jit(do_not_specialize=["recent_from"])
 def _attn_kernel(
     q_ptr, s_qb, s_qh, s_ql,  # [B, Hq, Lq, D] fp16/bf16/fp32, last dim contiguous
     o_ptr, s_ob, s_oh, s_ol,  # [B, Hq, Lq, D] query dtype
@@ -133,6 +165,9 @@ def _attn_kernel(
     pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
     pv_ptr, s_pvb, s_pvh, s_pvp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix values, if HAS_PREFIX
     prefix_len,  # P: positions kv_start + s, s < P, are read from the prefix buffers
+    rk_ptr, s_rkb, s_rkh, s_rkp,  # [B, Hk, W, D] exact recent keys (ring: position j at slot j % W), if HAS_RECENT
+    rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] exact recent values, if HAS_RECENT
+    recent_size, recent_from,  # W; positions [max(recent_from, seq_len - W), seq_len) are read from the ring
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
@@ -140,7 +175,7 @@ def _attn_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC_B: tl.constexpr,
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PP: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -165,14 +200,20 @@ def _attn_kernel(
     pool_first = kv_first  # first position read from the pool
     if HAS_PREFIX:
         pool_first = kv_first + prefix_len
+    pool_hi = kv_hi  # one past the last position read from the pool (or the prefix)
+    if HAS_RECENT:
+        ring_lo = tl.maximum(recent_from, seq_len - recent_size)  # the ring wins over prefix and pool
+        pool_hi = tl.minimum(kv_hi, ring_lo)
     kv_lo = tl.maximum(pool_first, 0)
+    win_lo = 0  # first position any row of this tile may see through the window
     if HAS_WINDOW:
-        kv_lo = tl.maximum(kv_lo, seq_len - Lq + i_first - window + 1)
+        win_lo = seq_len - Lq + i_first - window + 1
+        kv_lo = tl.maximum(kv_lo, win_lo)
     kv_lo = (kv_lo // BLOCK_N) * BLOCK_N
-    n_tiles = tl.maximum(tl.cdiv(kv_hi - kv_lo, BLOCK_N), 0)
+    n_tiles = tl.maximum(tl.cdiv(pool_hi - kv_lo, BLOCK_N), 0)
     per_split = tl.cdiv(n_tiles, num_splits)
     start = kv_lo + split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, kv_hi)
+    end = tl.minimum(start + per_split * BLOCK_N, pool_hi)
 
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
@@ -223,24 +264,13 @@ def _attn_kernel(
         if split == 0:
             pc = tl.arange(0, PP)
             ppos = kv_first + pc
-            p_ok = (pc < prefix_len) & (ppos < kv_hi)  # kv_hi <= seq_len: unfilled entries stay unread
-            kp = tl.load(pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh + pc[:, None] * s_pkp + dc[None, :],
-                         mask=p_ok[:, None] & (dc[None, :] < D), other=0.0)
-            sp = tl.dot(q, tl.trans(kp.to(tl.float32)), input_precision="tf32x3") * sm_scale  # exact keys: no q . mu
-            sp = _log2_logits(sp, softcap, HAS_SOFTCAP)
-            pvis = p_ok[None, :] & (ppos[None, :] <= qpos[:, None])
-            if HAS_WINDOW:
-                pvis = pvis & (ppos[None, :] > qpos[:, None] - window)
-            pp, _, m_i, l_i = _softmax_step(tl.where(pvis, sp, -float("inf")), m_i, l_i)  # accumulators still zero
-            v_base = pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh
-            if VALUE_BITS == 4:  # acc_b holds 16 x the high-half columns (see _nibbles_to_f16)
-                v_lo = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, hc, hc < D // 2, dc, D, VALUE_ROT)
-                v_hi = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, hc + D // 2, hc < D // 2, dc, D, VALUE_ROT)
-                acc_a = tl.dot(pp, v_lo, acc_a, input_precision="tf32x3")
-                acc_b = tl.dot(pp * 16.0, v_hi, acc_b, input_precision="tf32x3")
-            else:
-                v_all = _prefix_value_cols(v_base, s_pvp, pc, p_ok, vrot_ptr, dc, dc < D, dc, D, VALUE_ROT)
-                acc_a = tl.dot(pp, v_all, acc_a, input_precision="tf32x3")
+            p_ok = (pc < prefix_len) & (ppos < pool_hi)  # pool_hi <= seq_len: unfilled entries stay unread
+            m_i, l_i, acc_a, acc_b, bias_acc = _exact_tile(
+                q, m_i, l_i, acc_a, acc_b, bias_acc,
+                pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh, s_pkp,
+                pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh, s_pvp,
+                pc, ppos, p_ok, qpos, window, sm_scale, softcap, vrot_ptr, dc, hc,
+                D, VALUE_BITS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     head_off = h.to(tl.int64) * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
@@ -294,6 +324,20 @@ def _attn_kernel(
             vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
             acc_a = tl.dot(ps, vc.to(tl.float16), acc_a * alpha[:, None])
 
+    # ---- recent window: the last split walks the ring's positions in dense tiles ---------------
+    if HAS_RECENT:
+        if split == num_splits - 1:
+            r_lo = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
+            k_ring = rk_ptr + b.to(tl.int64) * s_rkb + h.to(tl.int64) * s_rkh
+            v_ring = rv_ptr + b.to(tl.int64) * s_rvb + h.to(tl.int64) * s_rvh
+            for j0 in range(r_lo, kv_hi, RN):  # at most W positions
+                rpos = j0 + tl.arange(0, RN)
+                r_ok = rpos < kv_hi
+                m_i, l_i, acc_a, acc_b, bias_acc = _exact_tile(
+                    q, m_i, l_i, acc_a, acc_b, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, vrot_ptr, dc, hc,
+                    D, VALUE_BITS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+
     # ---- epilogue -----------------------------------------------------------------------------
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
@@ -346,7 +390,7 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
-    """(pointer, row, head, position strides) of a prefix buffer; a device placeholder when absent."""
+    """(pointer, row, head, position strides) of a prefix or ring buffer; a device placeholder when absent."""
     if t is None:
         return placeholder, 0, 0, 0
     return t, t.stride(0), t.stride(1), t.stride(2)
@@ -419,6 +463,28 @@ def _check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, d
     return prefix_keys.shape[2]
 
 
+def _check_recent(recent_keys, recent_values, recent_from, layout: BlockLayout, batch: int, device) -> int:
+    """Validate the recent_window ring buffers and recent_from; return W (0 when neither is given)."""
+    if (recent_keys is None) != (recent_values is None):
+        raise ValueError("recent_keys and recent_values (recent_window) must be given together, or neither")
+    if type(recent_from) is not int or recent_from < 0:
+        raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
+    if recent_keys is None:
+        return 0
+    expected = f"[{batch}, {layout.num_kv_heads}, W, {layout.head_dim}] with 1 <= W <= {MAX_RECENT_WINDOW}"
+    for name, t in (("recent_keys", recent_keys), ("recent_values", recent_values)):
+        check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
+        b, hk, w, d = t.shape
+        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= w <= MAX_RECENT_WINDOW:
+            raise ValueError(f"{name} must be {expected} (rows, KV heads, ring slots, head_dim), got {list(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
+    if recent_keys.shape != recent_values.shape:
+        raise ValueError(f"recent_keys {list(recent_keys.shape)} and recent_values {list(recent_values.shape)} "
+                         "must have the same shape")
+    return recent_keys.shape[2]
+
+
 def unified_attention(
     query: torch.Tensor,
     pool: torch.Tensor,
@@ -438,6 +504,9 @@ def unified_attention(
     key_offset: torch.Tensor | None = None,
     prefix_keys: torch.Tensor | None = None,
     prefix_values: torch.Tensor | None = None,
+    recent_keys: torch.Tensor | None = None,
+    recent_values: torch.Tensor | None = None,
+    recent_from: int = 0,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed pool (see reference.paged_attention).
 
@@ -445,6 +514,10 @@ def unified_attention(
     value_rotation comes from the layout's config (the output is rotated back once per row).
     prefix_keys/prefix_values: [B, Hk, P, D] exact original keys/values (exact_prefix_tokens) read
     instead of the pool at positions kv_start[b] + s, s < P (reference.overlay_prefix).
+    recent_keys/recent_values: [B, Hk, W, D] ring of exact recent keys/values (recent_window),
+    position j at slot j % W, read instead of the pool and the prefix for positions
+    [max(recent_from, seq_lens[b] - W), seq_lens[b]) (reference.overlay_recent). recent_from is a
+    host int (a kernel argument: no sync, captured as is by a CUDA graph).
 
     max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
@@ -457,6 +530,7 @@ def unified_attention(
     key_offset = check_key_offset(key_offset, layout, pool.device)
     b, hq, lq, d = query.shape
     prefix_len = _check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
+    recent_size = _check_recent(recent_keys, recent_values, recent_from, layout, b, pool.device)
     hk = layout.num_kv_heads
     g = hq // hk
     cfg = layout.config
@@ -521,6 +595,7 @@ def unified_attention(
         sinks if sinks is not None else cent,
         rot, cent, key_offset if key_offset is not None else cent, vrot, pout, plse,
         *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
+        *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         layout.block_bytes, layout.plane_bytes,
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
@@ -531,6 +606,7 @@ def unified_attention(
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
+        HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, num_stages=num_stages,
     )
     if split:
