@@ -327,10 +327,10 @@ def _attn_kernel(
     # ---- recent window: the last split walks the ring's positions in dense tiles ---------------
     if HAS_RECENT:
         if split == num_splits - 1:
-            r_lo = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
+            ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + h.to(tl.int64) * s_rkh
             v_ring = rv_ptr + b.to(tl.int64) * s_rvb + h.to(tl.int64) * s_rvh
-            for j0 in range(r_lo, kv_hi, RN):  # at most W positions
+            for j0 in range(ring_first, kv_hi, RN):  # at most W positions
                 rpos = j0 + tl.arange(0, RN)
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc_a, acc_b, bias_acc = _exact_tile(
