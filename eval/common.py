@@ -336,7 +336,8 @@ def cache_spec(name: str, prefill_attention: str = "exact") -> CacheSpec:
         def tq_bytes(config):
             return _tq_bytes(_tq_config(base, prefill_attention, compress_all, overrides), config)
 
-        where = "every layer compressed" if compress_all else "first/last 2 layers full precision"
+        layers = _tq_config(base, prefill_attention, compress_all, overrides).full_precision_layers
+        where = f"layers {list(layers)} full precision" if layers else "every layer compressed"
         return CacheSpec(name, "turboquant", f"TurboQuantCache preset {base} ({where}, {prefill_attention} prefill)",
                          "turboquant", build_tq, tq_bytes, unavailable)
     if name in HF_QUANTIZED:

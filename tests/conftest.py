@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Kernel tests run through the Triton interpreter without a GPU. It must be on before anything
+# imports triton, and any test module may (tq_hf.kernels through tq_hf.ops), so it is set here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -35,8 +35,9 @@ def test_bytes_per_token_pinned():
     assert common.cache_spec("naive-int4").bytes_per_token(cfg) == 3 * 2 * 2 * (32 + 4)
     # 4-bit codes 32 + 32 bytes + three bf16 fields = 70 bytes per (token, head), every layer
     assert common.cache_spec("4bit-all").bytes_per_token(cfg) == 3 * 2 * 70
-    # default keeps layers 0, 1 and -1 (= 2) of 3 ... every layer here is full precision
-    assert common.cache_spec("4bit").bytes_per_token(cfg) == fp16
+    # the preset's default compresses every layer too; dense boundary layers are an override
+    assert common.cache_spec("4bit").bytes_per_token(cfg) == 3 * 2 * 70
+    assert common.cache_spec("4bit@full_precision_layers=(0,-1)").bytes_per_token(cfg) == 2 * 2 * 2 * 2 * 64 + 2 * 70
     assert common.cache_spec("k8v4-all").bytes_per_token(cfg) == 3 * 2 * (64 + 32 + 6)
 
 
