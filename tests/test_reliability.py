@@ -293,8 +293,6 @@ class CacheMachine(RuleBasedStateMachine):
                     f"{self.peak_rows} rows x {self.peak_blocks} blocks + growth slack)")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (reported): a pool reused after crop-to-0 keeps its per-row capacity, "
-                   "so repeat_interleave/select allocate capacity x new rows")
 def test_reused_pool_is_not_amplified_by_repeat():
     """3 rows x 21 tokens, crop to 0, reuse with 1 row, repeat x4: the pool should stay near 4 rows x 2 blocks."""
     cache = TurboQuantCache(llama_config(), tq_config=TurboQuantConfig.from_preset("4bit", full_precision_layers=(),

@@ -351,9 +351,14 @@ class TurboQuantLayer(CacheLayerMixin):
         used = -(-self.length // self.layout.block_size)
         plane = self.pool.shape[1:]
         old = self.pool.view(self.capacity, self.rows, *plane)
-        pool = self.layout.allocate(self.capacity * new_rows, self.device)
-        torch.index_select(old[:used], 1, indices, out=pool.view(self.capacity, new_rows, *plane)[:used])
+        # the new pool holds what is used plus the usual growth slack, not the old capacity: a pool
+        # kept from a long earlier request must not be multiplied by the new row count
+        capacity = min(self.capacity, used + max(MIN_GROWTH_BLOCKS, used // GROWTH_DIVISOR))
+        pool = self.layout.allocate(capacity * new_rows, self.device)
+        torch.index_select(old[:used], 1, indices, out=pool.view(capacity, new_rows, *plane)[:used])
         self.pool = pool
+        rebuild = new_rows != self.rows or capacity != self.capacity
+        self.capacity = capacity
         if self.kv_start is not None:
             self.kv_start = self.kv_start.index_select(0, indices)
         if self.prefix_keys is not None:
@@ -362,7 +367,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.recent_keys is not None:
             self.recent_keys = self.recent_keys.index_select(0, indices)
             self.recent_values = self.recent_values.index_select(0, indices)
-        if new_rows != self.rows:
+        if rebuild:
             self.rows = new_rows
             self._rebuild_tables()
 
