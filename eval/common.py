@@ -410,6 +410,20 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def start_run(module: str, argv: list[str] | None, threads: int | None) -> dict:
+    """What every eval CLI does first: apply --threads, then record the run's metadata."""
+    if threads:
+        torch.set_num_threads(threads)
+    return run_metadata(module, argv)
+
+
+def write_table_md(path: Path, head: str, table: str, skipped: dict, label: str = "skipped") -> None:
+    """table.md of a results folder: the header lines, what was skipped and why, then the table."""
+    if skipped:
+        head += f"- {label}: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()) + "\n"
+    path.write_text(head + "\n" + table, encoding="utf-8")
+
+
 def run_metadata(module: str, argv: list[str] | None) -> dict:
     """Command, versions, machine and time: what a results file needs to be reproduced."""
     argv = sys.argv[1:] if argv is None else list(argv)

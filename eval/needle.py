@@ -197,9 +197,7 @@ def write_outputs(out: Path, report: dict) -> None:
             f"- grid: lengths {g['lengths']} x depths {g['depths']} x needles {needles}, {g['trials']} trial(s) "
             f"each; {len(report['records'])} prompts per cache\n- method: {report['method']}\n"
             f"- command: `{report['meta']['command']}`\n")
-    if report["skipped"]:
-        head += "- skipped: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items()) + "\n"
-    (out / "table.md").write_text(head + "\n" + table, encoding="utf-8")
+    common.write_table_md(out / "table.md", head, table, report["skipped"])
     for r in rows:
         accuracy_heatmap(out / f"needle_{r['preset']}.png", r["grid"], g["lengths"], g["depths"],
                          f"{r['preset']}: needle accuracy ({', '.join(needles)})\n{report['model']}")
@@ -207,9 +205,7 @@ def write_outputs(out: Path, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    meta = common.run_metadata("eval.needle", argv)
+    meta = common.start_run("eval.needle", argv, args.threads)
     specs, skipped = common.resolve_caches(args.presets, args.prefill_attention)
     model, tokenizer, model_desc = common.load_model(args.model, device=args.device)
     text, text_desc = common.load_text(args.dataset, args.text_file)

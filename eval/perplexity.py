@@ -182,18 +182,14 @@ def write_outputs(out: Path, report: dict) -> None:
             f"- tokens: {report['tokens']} ({rows[0]['tokens']} scored; {report['tokens_reading_cache']} of them "
             f"predicted by forwards after the prefill, reading the cache)\n- method: {report['method']}\n"
             f"- command: `{report['meta']['command']}`\n")
-    if report["skipped"]:
-        head += "- skipped: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items()) + "\n"
-    (out / "table.md").write_text(head + "\n" + table, encoding="utf-8")
+    common.write_table_md(out / "table.md", head, table, report["skipped"])
     quality_bars(out / "perplexity.png", [r["preset"] for r in rows], [r["delta_pct"] for r in rows],
                  [r["kl"] for r in rows], f"{report['model']}\n{rows[0]['tokens']} tokens, window {report['window']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    meta = common.run_metadata("eval.perplexity", argv)
+    meta = common.start_run("eval.perplexity", argv, args.threads)
     specs, skipped = common.resolve_caches(args.presets, args.prefill_attention)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer, model_desc = common.load_model(args.model, dtype=dtype, device=args.device)

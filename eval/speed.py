@@ -222,9 +222,7 @@ def write_outputs(out: Path, report: dict) -> None:
     head = (f"# generate() speed and KV memory\n\n- model: {report['model']} ({report['dtype']})\n"
             f"- device: {report['meta']['machine']['cuda_device'] or 'CPU'}\n- method: {report['method']}\n"
             f"- command: `{report['meta']['command']}`\n")
-    if report["skipped"]:
-        head += "- skipped caches: " + "; ".join(f"{k} ({v})" for k, v in report["skipped"].items()) + "\n"
-    (out / "table.md").write_text(head + "\n" + table, encoding="utf-8")
+    common.write_table_md(out / "table.md", head, table, report["skipped"], label="skipped caches")
 
     def series(key, scale=1.0):
         out_series: dict[str, list] = {}
@@ -242,9 +240,7 @@ def write_outputs(out: Path, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    meta = common.run_metadata("eval.speed", argv)
+    meta = common.start_run("eval.speed", argv, args.threads)
     specs, skipped = common.resolve_caches(args.caches)
     model, _, model_desc = common.load_model(args.model, dtype=args.dtype, device=args.device)
     model.generation_config.eos_token_id = None  # never stop early: every run decodes the same steps

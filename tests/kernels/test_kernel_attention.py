@@ -234,29 +234,41 @@ def test_exact_prefix_mutations_are_detected():
         assert rel_error(got, mutant) > 1e-2, f"the kernel output is as close to the mutant '{name}' as to the spec"
 
 
-def test_exact_prefix_rejects_bad_inputs():
+@pytest.mark.parametrize("kind, letter, limit", [("prefix", "P", 64), ("recent", "W", 4096)])
+def test_exact_buffers_reject_bad_inputs(kind, letter, limit):
+    """exact_prefix_tokens (prefix_*) and recent_window (recent_*) buffers share one validator."""
     layout = make_layout("4bit", 2, 64)
     pool, table = fill_cache(layout, [20], DEVICE)
     q = torch.randn(1, 4, 1, 64, device=DEVICE)
     seq = torch.tensor([20], device=DEVICE)
-    pk, pv = exact_prefix(layout, 1, 4)
-    call = lambda **kw: unified_attention(q, pool, layout, table, seq, 0.1, **kw)  # noqa: E731
+    k, v = exact_prefix(layout, 1, 4) if kind == "prefix" else recent_ring(layout, 1, 8)
+    kn, vn = f"{kind}_keys", f"{kind}_values"
+
+    def call(keys=None, values=None, **kw):
+        return unified_attention(q, pool, layout, table, seq, 0.1, **{kn: keys, vn: values}, **kw)
+
     with pytest.raises(ValueError, match="given together"):
-        call(prefix_keys=pk)
-    with pytest.raises(ValueError, match=r"prefix_values must be \[1, 2, P, 64\]"):
-        call(prefix_keys=pk, prefix_values=pv[:, :1])
-    with pytest.raises(ValueError, match="1 <= P <= 64"):
-        call(prefix_keys=torch.zeros(1, 2, 65, 64), prefix_values=torch.zeros(1, 2, 65, 64))
+        call(k)
+    with pytest.raises(ValueError, match=rf"{vn} must be \[1, 2, {letter}, 64\]"):
+        call(k, v[:, :1])
+    bad_len = limit + 1 if kind == "prefix" else 0
+    with pytest.raises(ValueError, match=f"1 <= {letter} <= {limit}"):
+        call(torch.zeros(1, 2, bad_len, 64), torch.zeros(1, 2, bad_len, 64))
     with pytest.raises(ValueError, match="same shape"):
-        call(prefix_keys=pk, prefix_values=pv[:, :, :3])
-    with pytest.raises(TypeError, match="prefix_keys has dtype"):
-        call(prefix_keys=pk.double(), prefix_values=pv)
-    with pytest.raises(ValueError, match="prefix_keys must have 4 dimensions"):
-        call(prefix_keys=pk[0], prefix_values=pv)
+        call(k, v[:, :, :3])
+    with pytest.raises(TypeError, match=f"{kn} has dtype"):
+        call(k.double(), v)
     with pytest.raises(ValueError, match="contiguous in its last"):
-        call(prefix_keys=torch.zeros(1, 2, 4, 128)[..., ::2], prefix_values=pv)
-    with pytest.raises(TypeError, match="prefix_values must be a torch.Tensor"):
-        call(prefix_keys=pk, prefix_values=pv.numpy())
+        call(torch.zeros(1, 2, 4 if kind == "prefix" else 8, 128)[..., ::2], v)
+    if kind == "prefix":
+        with pytest.raises(ValueError, match="prefix_keys must have 4 dimensions"):
+            call(k[0], v)
+        with pytest.raises(TypeError, match="prefix_values must be a torch.Tensor"):
+            call(k, v.numpy())
+    else:
+        for bad in (-1, 2.0, True, torch.tensor(3)):
+            with pytest.raises(ValueError, match="recent_from must be an int >= 0"):
+                call(k, v, recent_from=bad)
 
 
 # ---- recent_window: positions [max(recent_from, S - W), S) read from a ring, pool poisoned there ----
@@ -310,30 +322,6 @@ def test_recent_window_mutation_is_detected():
     assert rel_error(got, want) <= 1e-3
     ignored = reference.paged_attention(q, pool, layout, table, seq, scale, **kw)
     assert rel_error(got, ignored) > 1e-2, "the kernel output is as close to 'ring ignored' as to the spec"
-
-
-def test_recent_window_rejects_bad_inputs():
-    layout = make_layout("4bit", 2, 64)
-    pool, table = fill_cache(layout, [20], DEVICE)
-    q = torch.randn(1, 4, 1, 64, device=DEVICE)
-    seq = torch.tensor([20], device=DEVICE)
-    rk, rv = recent_ring(layout, 1, 8)
-    call = lambda **kw: unified_attention(q, pool, layout, table, seq, 0.1, **kw)  # noqa: E731
-    with pytest.raises(ValueError, match="given together"):
-        call(recent_keys=rk)
-    with pytest.raises(ValueError, match=r"recent_values must be \[1, 2, W, 64\]"):
-        call(recent_keys=rk, recent_values=rv[:, :1])
-    with pytest.raises(ValueError, match="1 <= W <= 4096"):
-        call(recent_keys=torch.zeros(1, 2, 0, 64), recent_values=torch.zeros(1, 2, 0, 64))
-    with pytest.raises(ValueError, match="same shape"):
-        call(recent_keys=rk, recent_values=rv[:, :, :3])
-    with pytest.raises(TypeError, match="recent_keys has dtype"):
-        call(recent_keys=rk.double(), recent_values=rv)
-    with pytest.raises(ValueError, match="contiguous in its last"):
-        call(recent_keys=torch.zeros(1, 2, 8, 128)[..., ::2], recent_values=rv)
-    for bad in (-1, 2.0, True, torch.tensor(3)):
-        with pytest.raises(ValueError, match="recent_from must be an int >= 0"):
-            call(recent_keys=rk, recent_values=rv, recent_from=bad)
 
 
 # ---- real sizes on the GPU ----------------------------------------------------------------------
