@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from . import common
 
@@ -45,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], help="default: fp16 on GPU, fp32 on CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, help="stop early (reported) after this long")
     p.add_argument("--out", default="eval/results/soak/results.json")
     args = p.parse_args(argv)
     if args.ops < 2 or args.batch < 1 or args.max_len < 8:
@@ -123,15 +125,18 @@ def soak_ops(args) -> tuple[list[float], list[int], dict]:
     choices = torch.multinomial(weights, args.ops, replacement=True, generator=driver.gen).tolist()
     counts: dict[str, int] = {}
     times, memory = [], []
+    began = time.perf_counter()
     with torch.no_grad():
-        for c in choices:
+        for c in tqdm(choices, desc="soak ops", mininterval=10):
+            if args.max_seconds and time.perf_counter() - began > args.max_seconds:
+                break
             t0 = time.perf_counter()
             done = driver.run(OPS[c])
             sync(args.device)
             times.append(time.perf_counter() - t0)
             memory.append(allocated(args.device, driver.cache))
             counts[done] = counts.get(done, 0) + 1
-    return times, memory, {"op_counts": counts}
+    return times, memory, {"op_counts": counts, "ops_done": len(times)}
 
 
 def soak_generate(args) -> tuple[list[float], list[int], dict]:
@@ -141,7 +146,7 @@ def soak_generate(args) -> tuple[list[float], list[int], dict]:
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     times, memory, tokens = [], [], 0
     with torch.no_grad():
-        for _ in range(args.ops):
+        for _ in tqdm(range(args.ops), desc="soak generate", mininterval=10):
             cache.reset()
             ids = torch.randint(0, vocab, (args.batch, 16), generator=gen).to(args.device)
             t0 = time.perf_counter()
@@ -186,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     common.write_json(Path(args.out), report)
     a = report["allocated_bytes"]
-    print(f"soak {args.mode}: {args.ops} ops on {args.device}; allocated start {a['start']} peak {a['peak']} "
+    print(f"soak {args.mode}: {len(times)} of {args.ops} ops on {args.device}; allocated start {a['start']} peak {a['peak']} "
           f"end {a['end']} bytes; later/first-window peak {report['memory_growth_after_first_window']:.3f}; "
           f"ms/op by window {report['ms_per_op_windows']}; slowdown {report['slowdown_last_vs_second_window']:.3f}")
     return report

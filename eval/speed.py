@@ -170,7 +170,8 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     return best
 
 
-def run_points(model, specs, args) -> list[dict]:
+def run_points(model, specs, args, checkpoint=None) -> list[dict]:
+    """Every (point, cache) run in order; `checkpoint(rows)` after each, so a killed run keeps its figures."""
     rows, started = [], time.perf_counter()
     bar = tqdm(total=len(args.points) * len(specs), desc="speed", unit="run")
     for batch, context in args.points:
@@ -187,6 +188,8 @@ def run_points(model, specs, args) -> list[dict]:
                     torch.cuda.empty_cache()
             rows.append(row)
             bar.update()
+            if checkpoint is not None:
+                checkpoint(rows)
     bar.close()
     return rows
 
@@ -202,7 +205,7 @@ def add_ratios(rows: list[dict]) -> None:
                 r["peak_vs_fp16"] = r["peak_kv_side_bytes"] / base["peak_kv_side_bytes"]
 
 
-def write_outputs(out: Path, report: dict) -> None:
+def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "results.json", report)
     rows = report["results"]
@@ -223,6 +226,8 @@ def write_outputs(out: Path, report: dict) -> None:
             f"- device: {report['meta']['machine']['cuda_device'] or 'CPU'}\n- method: {report['method']}\n"
             f"- command: `{report['meta']['command']}`\n")
     common.write_table_md(out / "table.md", head, table, report["skipped"], label="skipped caches")
+    if not plots:
+        return
 
     def series(key, scale=1.0):
         out_series: dict[str, list] = {}
@@ -244,16 +249,21 @@ def main(argv: list[str] | None = None) -> dict:
     specs, skipped = common.resolve_caches(args.caches)
     model, _, model_desc = common.load_model(args.model, dtype=args.dtype, device=args.device)
     model.generation_config.eos_token_id = None  # never stop early: every run decodes the same steps
-    rows = run_points(model, specs, args)
-    add_ratios(rows)
     report = {
         "meta": meta, "model": model_desc, "dtype": str(args.dtype), "points": args.points,
         "new_tokens": args.new_tokens, "warmup": args.warmup, "repeats": args.repeats,
         "method": (f"generate() of 1 + {args.new_tokens} tokens per run from a random prompt, fresh cache per run; "
                    f"{args.warmup} warm-up run(s) of identical lengths, min over {args.repeats} timed run(s); decode "
                    "ms/token = median step gap (synchronized); peak KV-side = peak allocated minus weights"),
-        "skipped": skipped, "results": rows,
+        "skipped": skipped, "results": [],
     }
+
+    def checkpoint(rows: list[dict]) -> None:  # results so far (JSON + table), rewritten after every run
+        add_ratios(rows)
+        write_outputs(Path(args.out), {**report, "results": rows, "partial": True}, plots=False)
+
+    report["results"] = run_points(model, specs, args, checkpoint)
+    add_ratios(report["results"])
     write_outputs(Path(args.out), report)
     print((Path(args.out) / "table.md").read_text())
     return report

@@ -169,7 +169,8 @@ class CacheMachine(RuleBasedStateMachine):
         m.extend(real)
         s = m.length
         hf_mask = turboquant_mask(batch_size=rows, q_length=n, kv_length=s, q_offset=s - n,
-                                  kv_offset=0, mask_function=causal_mask_function, attention_mask=m.real.to(self.device))
+                                  kv_offset=0, mask_function=causal_mask_function, attention_mask=m.real.to(self.device),
+                                  device=self.device)
         for i in range(LAYERS):
             k, v = self.randn(rows, KV_HEADS, n, HEAD_DIM, scale=2.0), self.randn(rows, KV_HEADS, n, HEAD_DIM)
             k = k + self.randn(KV_HEADS, 1, HEAD_DIM, scale=3.0)  # a per-channel key bias, as real models have

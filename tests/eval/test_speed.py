@@ -41,3 +41,24 @@ def test_cli_end_to_end(tmp_path):
             assert r["cache_bytes"] == r["batch"] * (r["context"] + 4) * 2 * 2 * 32 * 2 * 4
         else:
             assert r["cache_bytes"] < base["cache_bytes"] / 2
+    assert "partial" not in saved  # the finished run replaced the checkpoints
+
+
+def test_a_killed_run_keeps_the_runs_it_finished(tmp_path, monkeypatch):
+    """Results are checkpointed after every run: a run killed (time limit, OOM) mid-sweep keeps its figures."""
+    out = tmp_path / "speed"
+    real_measure, calls = speed.measure, []
+
+    def measure_then_die(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as a `timeout` kill would stop it
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(speed, "measure", measure_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        speed.main(["--preset-set", "tiny", "--caches", "naive-int4", "--out", str(out), "--device", "cpu"])
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["partial"] is True and [r["cache"] for r in saved["results"]] == ["fp16", "naive-int4"]
+    assert saved["results"][1]["decode_vs_fp16"] > 0
+    assert "naive-int4" in (out / "table.md").read_text()

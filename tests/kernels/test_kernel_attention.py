@@ -324,6 +324,19 @@ def test_recent_window_mutation_is_detected():
     assert rel_error(got, ignored) > 1e-2, "the kernel output is as close to 'ring ignored' as to the spec"
 
 
+
+# ---- the GPU's launch choices (tile sizes, split counts for 132 SMs), run by the interpreter -------
+@pytest.mark.parametrize("lens,q_len,group,head_dim", [
+    ([40], 30, 4, 64),  # one row, 120 query rows: several row tiles and few programs must not split KV
+    ([300, 9], 16, 4, 32),  # 64 query rows at head_dim 32: the row tile the H200 needs (<= 32)
+    ([700], 1, 8, 128),  # decode: many splits on 132 SMs
+])
+def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, head_dim):
+    from tq_hf.kernels import attention as attention_kernel
+
+    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
+    _check(make_layout("4bit", 2, head_dim), lens, q_len, group)
+
 # ---- real sizes on the GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
@@ -441,3 +454,18 @@ def test_recent_window_cuda_graph_capture_gpu():
     kwargs.pop("out")
     want = reference.paged_attention(*args, **kwargs)
     assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+
+
+
+# Triton 3.6 on the H200 gave wrong results and illegal accesses for 64-row tiles at head_dim 32/64
+# (fixed by the launcher's row-tile cap); these are the shapes of that sweep, plain and with every lever.
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("q_len,group", [(30, 2), (16, 4), (200, 2)])
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+@pytest.mark.parametrize("levers", [False, True])
+def test_small_head_dim_chunks_gpu(head_dim, q_len, group, preset, levers):
+    layout = make_layout(preset, 2, head_dim, key_centering=levers, value_rotation=levers)
+    kw = _fidelity_options(layout, group, "cuda") if levers else {}
+    extra = dict(prefix_len=4, recent=(128, 0), kv_start=torch.tensor([3, 0, 1], device="cuda")) if levers else {}
+    _check(layout, [q_len + 10, q_len + 3, q_len], q_len, group, dtype=torch.float16, device="cuda", **extra, **kw)

@@ -33,6 +33,7 @@ import math
 
 import torch
 import triton
+import triton.runtime.errors
 import triton.language as tl
 
 from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
@@ -147,7 +148,9 @@ def _exact_tile(q, m_i, l_i, acc_a, acc_b, bias_acc, k_base, s_k, v_base, s_v, r
     return m_i, l_i, acc_a, acc_b, bias_acc
 
 
-@triton.jit(do_not_specialize=["recent_from"])
+# Runtime ints that vary step to step are not specialized (one compiled variant serves every chunk
+# length and split count: a server would otherwise pay a compile for each new value class).
+@triton.jit(do_not_specialize=["recent_from", "Lq", "num_splits", "prefix_len"])
 def _attn_kernel(
     q_ptr, s_qb, s_qh, s_ql,  # [B, Hq, Lq, D] fp16/bf16/fp32, last dim contiguous
     o_ptr, s_ob, s_oh, s_ol,  # [B, Hq, Lq, D] query dtype
@@ -372,6 +375,29 @@ def _attn_kernel(
 
 
 # ---- launcher ----------------------------------------------------------------------------------
+# (constants, block_n, num_stages) -> the (block_n, num_stages) that fits this GPU's shared memory
+_FITTED: dict[tuple, tuple[int, int]] = {}
+
+
+def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int) -> None:
+    """Launch, stepping down (fewer pipeline stages, then shorter KV tiles) when a variant needs
+    more shared memory than the GPU has (e.g. 3-bit codes with dense exact tiles at head_dim 128).
+    The failure is raised before anything is enqueued, so a retry is safe, also under CUDA-graph
+    capture; the variant that fits is remembered, so later calls launch once."""
+    key = (tuple(sorted(constants.items())), block_n, num_stages)
+    tries = [_FITTED[key]] if key in _FITTED else [(block_n, num_stages), (block_n, 1), (max(16, block_n // 2), 1),
+                                                    (max(16, block_n // 4), 1)]
+    for i, (bn, stages) in enumerate(tries):
+        try:
+            _attn_kernel[grid](*args, BLOCK_N=bn, num_stages=stages, **constants)
+        except triton.runtime.errors.OutOfResources:
+            if i == len(tries) - 1:
+                raise
+            continue
+        _FITTED[key] = (bn, stages)
+        return
+
+
 _WORKSPACES: dict[str, torch.Tensor] = {}
 
 
@@ -396,9 +422,16 @@ def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     return t, t.stride(0), t.stride(1), t.stride(2)
 
 
+def _tuned_for_gpu(device: torch.device) -> bool:
+    """Launch heuristics for a real GPU (the interpreter gets small tiles); patched by tests."""
+    return device.type == "cuda"
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
+    if _tuned_for_gpu(device):
+        return 132  # an H200's count, for the interpreter emulating GPU launches
     return 4  # interpreter: a few splits, so the split path is exercised cheaply
 
 
@@ -534,14 +567,18 @@ def unified_attention(
     rows = g * lq
     dp = next_pow2(d)
     dhp = next_pow2(d // 2)
-    on_gpu = pool.is_cuda
+    on_gpu = _tuned_for_gpu(pool.device)
     decode = rows <= 64
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweep (bench --tune)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
     else:
-        block_m = 64 if d <= 128 else 32
+        block_m = 64 if d == 128 else 32
         block_n = 64 if d <= 128 else 32
+    if d < 128:
+        # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim
+        # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
+        block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
     tuning = tuning or {}
@@ -559,7 +596,7 @@ def unified_attention(
         # a power of two splits the (power-of-two) tile counts evenly across splits
         waves = 8 if cfg.key_bits == 8 else 3
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
-        num_splits = 1 if programs >= sms else 1 << (want.bit_length() - 1)
+        num_splits = 1 if programs >= sms or m_tiles > 1 else 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split = num_splits > 1
@@ -579,7 +616,7 @@ def unified_attention(
 
     dummy = seq_lens
     grid = (m_tiles * num_splits, hk, b)
-    _attn_kernel[grid](
+    args = (
         query, query.stride(0), query.stride(1), query.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
         pool, block_table, block_table.stride(0), seq_lens,
@@ -590,17 +627,20 @@ def unified_attention(
         *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
         layout.block_bytes, layout.plane_bytes,
+    )
+    constants = dict(
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
         META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
         NC=(1 << cfg.key_bits) if cfg.uses_codebook else 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, ACC_B=dhp if cfg.value_bits == 4 else 16,
+        BLOCK_M=block_m, ACC_B=dhp if cfg.value_bits == 4 else 16,
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
     )
+    _launch(grid, args, constants, block_n, num_stages)
     if split:
         reduce_splits(pout, plse, out, b, hk, g, lq, num_splits, block_m, d, dp)
     return out
