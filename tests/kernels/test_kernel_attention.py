@@ -469,3 +469,34 @@ def test_small_head_dim_chunks_gpu(head_dim, q_len, group, preset, levers):
     kw = _fidelity_options(layout, group, "cuda") if levers else {}
     extra = dict(prefix_len=4, recent=(128, 0), kv_start=torch.tensor([3, 0, 1], device="cuda")) if levers else {}
     _check(layout, [q_len + 10, q_len + 3, q_len], q_len, group, dtype=torch.float16, device="cuda", **extra, **kw)
+
+
+def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
+    """A variant that needs more shared memory than the GPU has is retried with fewer pipeline
+    stages, then shorter KV tiles; the variant that fits is remembered (one launch afterwards)."""
+    import triton.runtime.errors
+
+    from tq_hf.kernels import attention as attention_kernel
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_N, num_stages, **constants):
+                launches.append((BLOCK_N, num_stages))
+                if BLOCK_N > 32:
+                    raise triton.runtime.errors.OutOfResources(237568, 232448, "shared memory")
+            return launch
+
+    monkeypatch.setattr(attention_kernel, "_attn_kernel", FakeKernel())
+    monkeypatch.setattr(attention_kernel, "_FITTED", {})
+    constants = {"D": 128, "KEY_BITS": 3}
+    attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
+    assert launches == [(128, 2), (128, 1), (64, 1), (32, 1)]
+    launches.clear()
+    attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
+    assert launches == [(32, 1)]
+    launches.clear()
+    with pytest.raises(triton.runtime.errors.OutOfResources):  # nothing fits: the last error surfaces
+        attention_kernel._launch((1, 1, 1), (), {"D": 256}, 512, 2)
+    assert launches == [(512, 2), (512, 1), (256, 1), (128, 1)]
