@@ -13,7 +13,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from tq_hf import TurboQuantCache, TurboQuantConfig, reference
-from tq_hf.attention import PADDING_ATTRIBUTE, turboquant_attention_forward, turboquant_mask
+from tq_hf.attention import NO_PADDING, PADDING_ATTRIBUTE, turboquant_attention_forward, turboquant_mask
 from tq_hf.cache import STEP_ATTRIBUTE
 
 
@@ -117,7 +117,46 @@ def test_mask_function_never_skips_at_decode_and_carries_padding():
     assert decode is not None and decode.shape == (2, 1, 1, 9)
     assert getattr(decode, PADDING_ATTRIBUTE) is real
     assert turboquant_mask(batch_size=2, q_length=9, kv_length=9, attention_mask=real) is None  # like sdpa
+    no_2d = turboquant_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8)
+    assert getattr(no_2d, PADDING_ATTRIBUTE) is NO_PADDING  # the model got no 2-D mask: nothing is padded
 
+
+
+# ---- sliding-window layers: left padding vs keys the window hides ---------------------------------
+def _chunked_logits(model, ids, cache, chunk: int, mask=None) -> torch.Tensor:
+    """Feed ids in chunks through one cache (as eval.perplexity does), with or without a 2-D mask."""
+    out = []
+    for i in range(0, ids.shape[1], chunk):
+        kwargs = {} if mask is None else {"attention_mask": mask[:, : i + chunk]}
+        out.append(model(input_ids=ids[:, i : i + chunk], **kwargs, **with_cache(cache)).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_layers_without_a_2d_mask_see_no_padding(family):
+    """model(input_ids) with no attention_mask, chunk by chunk past the sliding window: the keys the
+    window hides must not be taken for left padding (they were, and the exact prefix tokens were
+    then overlaid on the wrong positions). Same logits as with an explicit all-ones mask."""
+    model = tiny_model(family)
+    ids, _, _ = left_padded_batch([20, 20], seed=21)
+    cfg = tq_config(prefill_attention="compressed")
+    without = _chunked_logits(model, ids, TurboQuantCache(model.config, tq_config=cfg), 5)
+    ones = torch.ones_like(ids)
+    with_mask = _chunked_logits(model, ids, TurboQuantCache(model.config, tq_config=cfg), 5, ones)
+    assert_close(without, with_mask, atol=1e-5, rtol=1e-5, what=f"{family}: no mask vs all-ones mask")
+
+
+def test_visible_columns_tell_padding_from_the_window():
+    """The fallback for masks that lost their padding record (built elsewhere, moved across devices)."""
+    from tq_hf.attention import _visible_columns
+
+    seen = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1],   # window hides 0-3, no padding visible
+                         [0, 0, 0, 0, 0, 0, 1, 1],   # padding reaches into the window (0-5)
+                         [1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    got = _visible_columns(seen, start=7, sliding_window=4)  # first query at 7 sees 4..7
+    assert got.tolist() == [[True] * 8, seen[1].tolist(), [True] * 8]
+    assert torch.equal(_visible_columns(seen, start=7, sliding_window=None), seen)  # full attention: as seen
+    assert torch.equal(_visible_columns(seen, start=2, sliding_window=4), seen)  # window covers column 0
 
 # ---- no state leaks -----------------------------------------------------------------------------
 def test_no_state_survives_into_a_forward_without_the_cache():

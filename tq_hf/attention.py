@@ -8,7 +8,9 @@ math (eager-equivalent where sdpa lacks the feature: logit softcapping, attentio
 
 The mask function is HF's sdpa mask with two changes: at decode (one query) it never takes the
 host-syncing "is the mask skippable" shortcut, and a materialized mask carries the 2-D padding
-mask it was built from, so the attention function can find each row's first real position.
+mask it was built from (or NO_PADDING when the model got none), so the attention function can find
+each row's first real position: the 4-D mask alone cannot tell left padding from keys that a
+sliding window hides.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from . import ops, reference
 from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, SUPPORTED_DTYPES, LayerStep
 
 PADDING_ATTRIBUTE = "_turboquant_padding"  # attribute of a mask tensor: the 2-D padding mask [B, S] bool
+NO_PADDING = "no padding"  # that attribute when the model was called without a 2-D attention mask
 DENSE_SCORE_BUDGET = 1 << 26  # fp32 scores per chunk of the dense fallback (256 MiB)
 
 
@@ -51,7 +54,7 @@ def turboquant_attention_forward(
     step: LayerStep | None = getattr(key, STEP_ATTRIBUTE, None)
     if step is None or step.exact:
         if step is not None:
-            _refresh_padding(step, attention_mask, query.shape[0])
+            _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
             step.layer.fill_prefix(key, value, step.start)
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
@@ -65,7 +68,7 @@ def turboquant_attention_forward(
     layer = step.layer
     _check_query(query, layer)
     if step.refresh_padding:
-        _refresh_padding(step, attention_mask, query.shape[0])
+        _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
     layer.fill_prefix(key, value, step.start)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
@@ -148,18 +151,19 @@ def _chunked_dense(query, key, value, mask, scale, sinks, softcap) -> torch.Tens
     return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
-def _refresh_padding(step: LayerStep, attention_mask: torch.Tensor | None, rows: int) -> None:
+def _refresh_padding(step: LayerStep, attention_mask: torch.Tensor | None, rows: int,
+                     sliding_window: int | None) -> None:
     """Derive each row's first real position from this prefill-like forward's mask (on device).
 
     The one host read here (is the padding a prefix of every row?) happens on prefill only.
     """
-    if attention_mask is None:  # HF skips the mask only when nothing is padded
+    real = None if attention_mask is None else getattr(attention_mask, PADDING_ATTRIBUTE, None)
+    if attention_mask is None or real is NO_PADDING:  # HF skips the mask only when nothing is padded
         step.layer.set_padding(None, contiguous=True, max_start=0)
         return
-    real = getattr(attention_mask, PADDING_ATTRIBUTE, None)
     if real is None:  # mask built elsewhere (or moved across devices): columns anybody may see
         m = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
-        real = m.any(1).any(1)
+        real = _visible_columns(m.any(1).any(1), step.start, sliding_window)
     real = real.bool().expand(rows, -1)
     steps = real.to(torch.int8).diff(dim=-1)
     leading_pads = (~real).int().cumprod(-1).sum(-1)
@@ -168,13 +172,30 @@ def _refresh_padding(step: LayerStep, attention_mask: torch.Tensor | None, rows:
     step.layer.set_padding(leading_pads, bool(contiguous), max_start)
 
 
+def _visible_columns(seen: torch.Tensor, start: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, S] columns some query of this forward may see -> the columns that are not left padding.
+
+    On a sliding-window layer the keys older than the first query's window (positions before
+    start - W + 1) are unseen whether or not they are padding; they count as padding only when the
+    unseen prefix reaches into that window (padding is a prefix of the row).
+    """
+    window_first = start - sliding_window + 1 if sliding_window is not None else 0
+    if window_first <= 0:
+        return seen
+    leading = (~seen).int().cumprod(-1).sum(-1, keepdim=True)
+    cols = torch.arange(seen.shape[-1], device=seen.device)
+    return seen | ((cols < window_first) & (leading <= window_first))
+
+
 def turboquant_mask(*args, **kwargs) -> torch.Tensor | None:
     """HF's sdpa mask; never host-synced at decode; carries the 2-D padding mask it was built from."""
     if kwargs.get("q_length") == 1:
         kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
     padding = kwargs.get("attention_mask")
-    if mask is not None and padding is not None and padding.dim() == 2:
+    if mask is not None and padding is None:  # called without a 2-D mask: nothing is padded
+        setattr(mask, PADDING_ATTRIBUTE, NO_PADDING)
+    elif mask is not None and padding.dim() == 2:
         setattr(mask, PADDING_ATTRIBUTE, padding)
     return mask
 
