@@ -257,7 +257,7 @@ class CacheSpec:
     description: str
     attn_implementation: str  # what the model must run with this cache
     build: Callable  # model config -> a fresh Cache
-    bytes_per_token: Callable  # model config -> stored KV bytes per token (all layers, packed sizes)
+    bytes_per_token: Callable  # model config -> KV bytes per token of context (packed sizes; window-capped layers add none)
     unavailable: str | None = None  # why it cannot run here, if it cannot
 
 
@@ -283,10 +283,21 @@ def split_overrides(name: str) -> tuple[str, dict]:
     return base, overrides
 
 
+def window_capped_layers(config) -> set[int]:
+    """Sliding-window layers, which transformers' DynamicCache(config=...) (and TurboQuantCache's
+    default sliding_layers="exact") keep at most a window of: they add no bytes per token of context."""
+    from tq_hf.cache import sliding_windows
+
+    c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return set(sliding_windows(c, c.num_hidden_layers))
+
+
 def _tq_bytes(cfg, config) -> float:
     layers, heads, dim = kv_geometry(config)
-    exact = len(cfg.full_precision_layer_set(layers))
-    return heads * ((layers - exact) * cfg.token_head_bytes(dim) + exact * 2 * FP16_BYTES * dim)
+    capped = window_capped_layers(config) if cfg.sliding_layers == "exact" else set()
+    exact = len(cfg.full_precision_layer_set(layers) - capped)
+    compressed = layers - len(capped) - exact
+    return heads * (compressed * cfg.token_head_bytes(dim) + exact * 2 * FP16_BYTES * dim)
 
 
 def _tq_unavailable() -> str | None:
@@ -299,7 +310,7 @@ def _tq_unavailable() -> str | None:
 
 def _dense_bytes(config) -> float:
     layers, heads, dim = kv_geometry(config)
-    return layers * heads * 2 * FP16_BYTES * dim
+    return (layers - len(window_capped_layers(config))) * heads * 2 * FP16_BYTES * dim
 
 
 def _hf_quantized_unavailable(backend: str) -> str | None:
@@ -327,7 +338,7 @@ def cache_spec(name: str, prefill_attention: str = "exact") -> CacheSpec:
         from transformers import DynamicCache
 
         return CacheSpec(name, "reference", "uncompressed DynamicCache (model dtype)", "sdpa",
-                         lambda config: DynamicCache(), _dense_bytes)
+                         lambda config: DynamicCache(config=config), _dense_bytes)
     plain, overrides = split_overrides(name)
     base = plain[: -len("-all")] if plain.endswith("-all") else plain
     if base in TURBOQUANT_PRESETS:

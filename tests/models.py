@@ -14,6 +14,7 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 import tq_hf  # noqa: E402,F401  (registers "turboquant")
 from tq_hf import reference  # noqa: E402
+from tq_hf.cache import sliding_windows  # noqa: E402
 from tq_hf.config import TurboQuantConfig  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine thread hand-offs
@@ -83,8 +84,10 @@ def tq_config(**overrides) -> TurboQuantConfig:
     """4bit with the middle layer of the 3 compressed and the last kept dense (both kinds exercised).
 
     The levers stay on, with a ring and prefix small enough for tiny prompts to reach the pool.
+    Sliding-window layers are compressed too (the harder path: the window applied over the pool);
+    the default, window-sized exact sliding layers, has its own tests.
     """
-    levers = dict(exact_prefix_tokens=2, recent_window=4)
+    levers = dict(exact_prefix_tokens=2, recent_window=4, sliding_layers="compressed")
     return TurboQuantConfig.from_preset(overrides.pop("preset", "4bit"), full_precision_layers=(-1,),
                                         **{**levers, **overrides})
 
@@ -174,6 +177,8 @@ class FakeQuantCache(DynamicCache):
         n = model_config.num_hidden_layers
         dense = cfg.full_precision_layer_set(n)
         super().__init__()
+        if cfg.sliding_layers == "exact":  # sliding-window layers stay exact: full history, the mask windows it
+            dense = dense | set(sliding_windows(model_config.get_text_config(decoder=True), n))
         self.layers = [DynamicLayer() if i in dense else FakeQuantLayer(cfg, self) for i in range(n)]
         self.layer_class_to_replicate = None
         self.kv_start = None if padding_mask is None else (padding_mask == 0).int().cumprod(-1).sum(-1)

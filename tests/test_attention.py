@@ -139,7 +139,7 @@ def test_sliding_layers_without_a_2d_mask_see_no_padding(family):
     then overlaid on the wrong positions). Same logits as with an explicit all-ones mask."""
     model = tiny_model(family)
     ids, _, _ = left_padded_batch([20, 20], seed=21)
-    cfg = tq_config(prefill_attention="compressed")
+    cfg = tq_config(prefill_attention="compressed", sliding_layers="compressed")
     without = _chunked_logits(model, ids, TurboQuantCache(model.config, tq_config=cfg), 5)
     ones = torch.ones_like(ids)
     with_mask = _chunked_logits(model, ids, TurboQuantCache(model.config, tq_config=cfg), 5, ones)

@@ -95,6 +95,7 @@ def test_unknown_override_names_the_fields():
         ("block_size", 8, ["16", "32", "64"]),
         ("block_size", 128, ["16", "32", "64"]),
         ("prefill_attention", "fast", ["'exact'", "'compressed'"]),
+        ("sliding_layers", "dense", ["'exact'", "'compressed'"]),
     ],
 )
 def test_invalid_choice_names_field_and_allowed_values(field, bad, allowed):

@@ -269,3 +269,36 @@ def test_fidelity_options_with_beam_search():
     ids, mask, _ = left_padded_batch([9, 6], seed=5)
     compare(model, ids, mask, tq_config(**LEVERS), "beams+levers", max_new_tokens=8, num_beams=3,
             do_sample=False)
+
+
+# ---- sliding-window layers kept exact and window-sized (the default, sliding_layers="exact") --------
+@pytest.mark.parametrize("family", ["gemma3", "mistral", "gpt_oss"])
+def test_exact_sliding_layers_match_the_oracle_and_stay_window_sized(family):
+    """Left-padded batch generating far past the window (6): same tokens/logits as the oracle (whose
+    sliding layers hold their full exact history, windowed by the mask); the sliding layers hold at
+    most their window while the compressed layer holds everything."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from tq_hf.cache import TurboQuantLayer
+
+    model = tiny_model(family)
+    ids, mask, _ = left_padded_batch([9, 14, 5], seed=31)
+    cfg = tq_config(sliding_layers="exact")
+    compare(model, ids, mask, cfg, f"{family} exact sliding layers", max_new_tokens=12)
+    cache = TurboQuantCache(model.config, tq_config=cfg)
+    generate(model, ids, mask, cache, max_new_tokens=12)
+    window = model.config.sliding_window
+    for layer, kind in zip(cache.layers, getattr(model.config, "layer_types", None) or ["sliding_attention"] * 3):
+        if kind == "sliding_attention":
+            assert isinstance(layer, DynamicSlidingWindowLayer) and layer.keys.shape[2] < window
+        else:
+            assert isinstance(layer, TurboQuantLayer) and layer.get_seq_length() == ids.shape[1] + 11
+
+
+def test_assisted_decoding_with_exact_sliding_layers():
+    """generate() crops the cache after rejected candidates; the window-sized sliding layers allow it
+    (a prompt 3x past the window), and tokens match the oracle."""
+    model, assistant = tiny_model("gemma3"), tiny_model("gemma3", seed=1)
+    ids, _, _ = left_padded_batch([20], seed=7)
+    compare(model, ids, None, tq_config(sliding_layers="exact"), "assisted, exact sliding layers",
+            max_new_tokens=12, assistant_model=assistant)

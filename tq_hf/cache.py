@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import ops, reference
 from .config import TurboQuantConfig
@@ -422,8 +422,10 @@ class TurboQuantCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         layout = BlockLayout(tq_config, kv_heads, head_dim)
         full_precision = tq_config.full_precision_layer_set(num_layers)
+        windows = sliding_windows(text, num_layers) if tq_config.sliding_layers == "exact" else {}
         layers = [
-            DynamicLayer() if i in full_precision else TurboQuantLayer(layout, max_cache_tokens)
+            DynamicSlidingWindowLayer(sliding_window=windows[i]) if i in windows
+            else DynamicLayer() if i in full_precision else TurboQuantLayer(layout, max_cache_tokens)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
@@ -503,6 +505,16 @@ def _rows_held(layer) -> int | None:
     if layer.get_seq_length() == 0:
         return None
     return layer.rows if isinstance(layer, TurboQuantLayer) else layer.keys.shape[0]
+
+
+def sliding_windows(text_config, num_layers: int) -> dict[int, int]:
+    """{layer index: window} of the sliding-window layers, as transformers' DynamicCache reads them:
+    config.layer_types when given, else every layer when config.sliding_window is set."""
+    window = getattr(text_config, "sliding_window", None)
+    if not window:
+        return {}
+    types = getattr(text_config, "layer_types", None) or ["sliding_attention"] * num_layers
+    return {i: window for i in range(num_layers) if types[i] == "sliding_attention"}
 
 
 def _check_layer_types(text_config, num_layers: int) -> None:

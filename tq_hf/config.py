@@ -13,6 +13,7 @@ KEY_BITS = (3, 4, 8)  # 3/4: Lloyd-Max codebook over rotated coordinates; 8: FP8
 VALUE_BITS = (3, 4)  # per-token asymmetric uniform codes
 ROTATIONS = ("hadamard", "random")
 BLOCK_SIZES = (16, 32, 64)
+SLIDING_LAYER_MODES = ("exact", "compressed")
 PREFILL_MODES = ("exact", "compressed")
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
@@ -68,6 +69,12 @@ class TurboQuantConfig:
     recent_window: the most recent tokens of every row are also kept exact, in a ring buffer of
         this many tokens in the model's dtype, and read from there by attention (as HF's
         QuantizedCache keeps its residual); 0 turns it off. A constant, not a per-token, cost.
+    sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
+        "exact": HF's own window-sized dense layer, as DynamicCache keeps it: memory bounded by
+        the window, no quantization error, and the format's savings come from the full-attention
+        layers, the only ones that grow with the context. "compressed": every position,
+        compressed, the window applied by attention (smaller than the window's fp16 bytes only
+        while the context is under ~4x the window, and it keeps growing after that).
     prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
         values (they are compressed into the cache all the same); "compressed" makes it read
         the compressed cache, as decode always does.
@@ -84,6 +91,7 @@ class TurboQuantConfig:
     value_rotation: bool = True
     exact_prefix_tokens: int = 4
     recent_window: int = 128
+    sliding_layers: str = "exact"
     prefill_attention: str = "exact"
     seed: int = 0
 
@@ -94,6 +102,7 @@ class TurboQuantConfig:
         _check_choice("rotation", self.rotation, ROTATIONS)
         _check_choice("block_size", self.block_size, BLOCK_SIZES)
         _check_choice("prefill_attention", self.prefill_attention, PREFILL_MODES)
+        _check_choice("sliding_layers", self.sliding_layers, SLIDING_LAYER_MODES)
         for flag in ("norm_correction", "key_centering", "value_rotation"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")

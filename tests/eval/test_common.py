@@ -121,3 +121,22 @@ def test_help_describes_the_command(module, capsys):
         mod.parse_args(["--help"])
     assert exit_info.value.code == 0
     assert f"python -m eval.{module}" in capsys.readouterr().out
+
+
+def test_bytes_per_token_leave_out_window_capped_layers():
+    """Sliding-window layers hold at most their window in DynamicCache(config) and in TurboQuantCache's
+    default: they cost nothing per token of context; compressed sliding layers do."""
+    from transformers import Gemma3TextConfig
+
+    from tq_hf import TurboQuantConfig
+
+    cfg = Gemma3TextConfig(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
+                           hidden_size=128, sliding_window=16,
+                           layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    assert common.window_capped_layers(cfg) == {0, 1, 2, 3, 4}
+    fp16 = common.cache_spec("fp16").bytes_per_token(cfg)
+    assert fp16 == 1 * 1 * 2 * 2 * 64  # one full-attention layer, K and V, fp16
+    per_layer = TurboQuantConfig.from_preset("4bit").token_head_bytes(64)
+    assert common.cache_spec("4bit-all").bytes_per_token(cfg) == per_layer
+    assert common.cache_spec("4bit-all@sliding_layers='compressed'").bytes_per_token(cfg) == 6 * per_layer
+    assert isinstance(common.cache_spec("fp16").build(cfg).layers[0], type(common.cache_spec("4bit-all").build(cfg).layers[0]))
