@@ -353,8 +353,10 @@ def cache_spec(name: str, prefill_attention: str = "exact") -> CacheSpec:
         def tq_bytes(config):
             return _tq_bytes(_tq_config(base, prefill_attention, compress_all, overrides), config)
 
-        layers = _tq_config(base, prefill_attention, compress_all, overrides).full_precision_layers
-        where = f"layers {list(layers)} full precision" if layers else "every layer compressed"
+        tq = _tq_config(base, prefill_attention, compress_all, overrides)
+        where = f"layers {list(tq.full_precision_layers)} full precision" if tq.full_precision_layers else \
+            "every full-attention layer compressed"
+        where += ", sliding-window layers " + ("exact (window-sized)" if tq.sliding_layers == "exact" else "compressed")
         return CacheSpec(name, "turboquant", f"TurboQuantCache preset {base} ({where}, {prefill_attention} prefill)",
                          "turboquant", build_tq, tq_bytes, unavailable)
     if name in HF_QUANTIZED:
@@ -388,11 +390,29 @@ def cache_spec(name: str, prefill_attention: str = "exact") -> CacheSpec:
     raise ValueError(f"unknown cache {name!r}; supported: {', '.join(cache_names())}")
 
 
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split on `sep` outside brackets and quotes: "4bit@full_precision_layers=(5, 11),k8v4" is two names."""
+    parts, depth, quote, start = [], 0, None, 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
 def resolve_caches(names: str | list[str], prefill_attention: str = "exact",
                    log: Callable[[str], None] = print) -> tuple[list[CacheSpec], dict[str, str]]:
     """(runnable specs with the fp16 reference first, {skipped name: reason})."""
     if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
+        names = [n.strip() for n in split_top_level(names) if n.strip()]
     if REFERENCE not in names:
         names = [REFERENCE, *names]  # every comparison is against the reference
     names = [REFERENCE] + [n for n in dict.fromkeys(names) if n != REFERENCE]

@@ -140,3 +140,13 @@ def test_bytes_per_token_leave_out_window_capped_layers():
     assert common.cache_spec("4bit-all").bytes_per_token(cfg) == per_layer
     assert common.cache_spec("4bit-all@sliding_layers='compressed'").bytes_per_token(cfg) == 6 * per_layer
     assert isinstance(common.cache_spec("fp16").build(cfg).layers[0], type(common.cache_spec("4bit-all").build(cfg).layers[0]))
+
+
+def test_cache_lists_split_only_at_top_level_commas():
+    names = "fp16,4bit@full_precision_layers=(5, 11, 17),k8v4@recent_window=256, 4bit@sliding_layers='a,b'"
+    assert common.split_top_level(names) == ["fp16", "4bit@full_precision_layers=(5, 11, 17)",
+                                             "k8v4@recent_window=256", " 4bit@sliding_layers='a,b'"]
+    specs, _ = common.resolve_caches("4bit@full_precision_layers=(0, -1),k8v4", log=lambda _: None)
+    assert [s.name for s in specs] == ["fp16", "4bit@full_precision_layers=(0, -1)", "k8v4"]
+    assert "layers [0, -1] full precision" in specs[1].description
+    assert "sliding-window layers exact" in specs[2].description
