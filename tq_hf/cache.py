@@ -15,6 +15,10 @@ key/value tensors with a `LayerStep` attached as an attribute of the key tensor.
 lives and dies with that tensor, so no later forward without this cache can pick it up. When the
 model runs another attention implementation, `update()` instead returns the dequantized history
 as ordinary dense K/V (slow, but correct).
+
+Not every layer is compressed: `full_precision_layers` get a plain DynamicLayer, and with
+`sliding_layers="exact"` (default) sliding-window layers get transformers' own window-sized
+DynamicSlidingWindowLayer, so their memory stays bounded by the window as in DynamicCache.
 """
 
 from __future__ import annotations
