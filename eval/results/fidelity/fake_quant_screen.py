@@ -33,6 +33,16 @@ def fq_keys(k, spec):
     if spec.get("center"):
         mu = x.mean(dim=-2, keepdim=True)  # per (batch, head) over tokens of this update
         x = x - mu
+    keep = None  # outlier channels kept exact: the largest mean |k| per (batch, head) over this
+    if spec.get("outliers"):  # update's tokens ("outliers"), or the largest |k| of each token ("tok_outliers")
+        idx = x.abs().mean(dim=-2, keepdim=True).topk(spec["outliers"], dim=-1).indices
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx.expand(*x.shape[:-1], -1), True)
+    elif spec.get("tok_outliers"):
+        idx = x.abs().topk(spec["tok_outliers"], dim=-1).indices
+        keep = torch.zeros_like(x, dtype=torch.bool).scatter_(-1, idx, True)
+    exact_part = None
+    if keep is not None:
+        exact_part, x = torch.where(keep, x, 0.0), torch.where(keep, 0.0, x)
     sig = None
     if spec.get("whiten"):
         sig = x.pow(2).mean(dim=-2, keepdim=True).sqrt().clamp_min(1e-6) ** spec["whiten"]
@@ -45,6 +55,8 @@ def fq_keys(k, spec):
         c, s = R.quantize_keys(x, cfg); y = R.dequantize_keys(c, s, cfg, x.shape[-1])
     if sig is not None:
         y = y * sig
+    if exact_part is not None:
+        y = torch.where(keep, exact_part, y)
     if mu is not None:
         y = y + mu
     return y.to(k.dtype)
