@@ -337,6 +337,21 @@ def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, hea
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     _check(make_layout("4bit", 2, head_dim), lens, q_len, group)
 
+def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
+    """Capture one unified_attention call in a CUDA graph, let `next_step()` change its inputs in
+    place (the next decode step), replay, and compare the output with the reference on the new inputs."""
+    out = kwargs["out"]
+    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        unified_attention(*args, **kwargs)
+    next_step()
+    graph.replay()
+    want = reference.paged_attention(*args, **{k: v for k, v in kwargs.items() if k != "out"})
+    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+
+
 # ---- real sizes on the GPU ----------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
@@ -370,16 +385,8 @@ def test_decode_cuda_graph_capture_gpu():
     pool, table = fill_cache(layout, [4000, 1234, 9], "cuda")
     seq = torch.tensor([4000, 1234, 9], device="cuda")
     q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
-    out = torch.full_like(q, float("nan"))
-    unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)  # warm-up: compile + workspace
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)
-    q.copy_(torch.randn_like(q))
-    graph.replay()
-    want = reference.paged_attention(q, pool, layout, table, seq, 0.088)
-    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+    kwargs = dict(max_seq_len=4096, out=torch.full_like(q, float("nan")))
+    _check_graph_replay((q, pool, layout, table, seq, 0.088), kwargs, lambda: q.copy_(torch.randn_like(q)))
 
 
 @pytest.mark.gpu
@@ -402,20 +409,14 @@ def test_exact_prefix_cuda_graph_capture_gpu():
     seq, kv_start = torch.tensor([4000, 1234, 9], device="cuda"), torch.tensor([0, 7, 1], device="cuda")
     pk, pv = exact_prefix(layout, 3, 4, torch.float16, "cuda")
     q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
-    out = torch.full_like(q, float("nan"))
-    args = (q, pool, layout, table, seq, 0.088)
-    kwargs = dict(kv_start=kv_start, max_seq_len=4096, out=out, prefix_keys=pk, prefix_values=pv, **kw)
-    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        unified_attention(*args, **kwargs)
-    q.copy_(torch.randn_like(q))
-    pv.copy_(torch.randn_like(pv))
-    graph.replay()
-    kwargs.pop("out")
-    want = reference.paged_attention(*args, **kwargs)
-    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+    kwargs = dict(kv_start=kv_start, max_seq_len=4096, out=torch.full_like(q, float("nan")), prefix_keys=pk,
+                  prefix_values=pv, **kw)
+
+    def next_step():
+        q.copy_(torch.randn_like(q))
+        pv.copy_(torch.randn_like(pv))
+
+    _check_graph_replay((q, pool, layout, table, seq, 0.088), kwargs, next_step)
 
 
 @pytest.mark.gpu
@@ -439,21 +440,15 @@ def test_recent_window_cuda_graph_capture_gpu():
     seq = torch.tensor([4000, 1234, 9], device="cuda")
     rk, rv = recent_ring(layout, 3, 128, torch.float16, "cuda")
     q = torch.randn(3, 32, 1, 128, device="cuda", dtype=torch.float16)
-    out = torch.full_like(q, float("nan"))
-    args = (q, pool, layout, table, seq, 0.088)
-    kwargs = dict(max_seq_len=4096, out=out, recent_keys=rk, recent_values=rv, recent_from=5, **kw)
-    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
-    out.fill_(float("nan"))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        unified_attention(*args, **kwargs)
-    q.copy_(torch.randn_like(q))
-    rv.copy_(torch.randn_like(rv))
-    seq.add_(1)  # the next step: the ring range moves with seq_lens, read on the device
-    graph.replay()
-    kwargs.pop("out")
-    want = reference.paged_attention(*args, **kwargs)
-    assert rel_error(out, want) <= attention_tolerance(torch.float16, want.float())
+    kwargs = dict(max_seq_len=4096, out=torch.full_like(q, float("nan")), recent_keys=rk, recent_values=rv,
+                  recent_from=5, **kw)
+
+    def next_step():
+        q.copy_(torch.randn_like(q))
+        rv.copy_(torch.randn_like(rv))
+        seq.add_(1)  # the next step: the ring range moves with seq_lens, read on the device
+
+    _check_graph_replay((q, pool, layout, table, seq, 0.088), kwargs, next_step)
 
 
 

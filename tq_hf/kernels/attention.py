@@ -384,7 +384,7 @@ def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages:
     more shared memory than the GPU has (e.g. 3-bit codes with dense exact tiles at head_dim 128).
     The failure is raised before anything is enqueued, so a retry is safe, also under CUDA-graph
     capture; the variant that fits is remembered, so later calls launch once."""
-    key = (tuple(sorted(constants.items())), block_n, num_stages)
+    key = (tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
     tries = [_FITTED[key]] if key in _FITTED else [(block_n, num_stages), (block_n, 1), (max(16, block_n // 2), 1),
                                                     (max(16, block_n // 4), 1)]
     for i, (bn, stages) in enumerate(tries):
