@@ -87,18 +87,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # ---- model, prompts, generation ----------------------------------------------------------------
 def build_checkpoint(spec: str, dtype: torch.dtype, device: str | torch.device, folder: Path):
-    """(model on `device`, checkpoint folder): a random-init Llama saved to `folder`, or a folder as given."""
-    from transformers import AutoModelForCausalLM
+    """(model on `device`, checkpoint folder): a random-init Llama saved to `folder`, or a folder as given.
 
+    The one-device model is loaded back from the checkpoint, exactly as the split models are: the
+    model as built holds buffers that loading recomputes (RoPE's inv_freq, cast to fp16 by
+    `.to(dtype)` but rebuilt in fp32 by from_pretrained), which changed fp16 logits by ~1e-2 and
+    made the one-GPU and two-GPU runs differ for reasons that have nothing to do with the cache.
+    """
     import tq_hf  # noqa: F401  (registers "turboquant")
 
     if spec.startswith("random"):
         parse_random_spec(spec)  # fail early on a bad shape
-        model = random_llama(spec, dtype, str(device), "turboquant")
-        model.save_pretrained(folder)
-        return _for_greedy(model), folder
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation="turboquant")
-    return _for_greedy(model.to(device).eval()), Path(spec)
+        random_llama(spec, dtype, str(device), "turboquant").save_pretrained(folder)
+        checkpoint = folder
+    else:
+        checkpoint = Path(spec)
+    return load(checkpoint, dtype).to(device), checkpoint
 
 
 def _for_greedy(model):

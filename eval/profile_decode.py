@@ -1,0 +1,81 @@
+"""Profile one decode attention launch over the compressed pool (what limits the kernel).
+
+Builds a pool of B rows x S random tokens (the bench's shapes), launches the attention a few
+times, and prints what the compiled kernel uses (registers, spills, shared memory) and the SASS
+instruction mix of its variants. Run it under Nsight Compute to read the hardware counters:
+
+    ncu --clock-control none --set full -k regex:_attn_kernel --launch-skip 2 --launch-count 1 \
+        python -m eval.profile_decode --preset 4bit --batch 16 --length 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def sass_mix(cubin: bytes, top: int = 25) -> list[tuple[str, int]]:
+    """Static count of SASS opcodes (without modifiers) in a cubin, most frequent first."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run(["cuobjdump", "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops.most_common(top)
+
+
+def describe_compiled(kernel) -> None:
+    """Registers, spills, shared memory and SASS mix of every compiled variant of `kernel`."""
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for compiled in cache[0].values():
+            meta = compiled.metadata
+            print(f"variant: regs {compiled.n_regs}, spills {compiled.n_spills}, shared {meta.shared} B, "
+                  f"warps {meta.num_warps}, stages {meta.num_stages}")
+            try:
+                print("  SASS mix:", ", ".join(f"{op} {n}" for op, n in sass_mix(compiled.asm["cubin"])))
+            except (OSError, subprocess.CalledProcessError, KeyError) as exc:
+                print(f"  SASS mix unavailable: {exc}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eval.profile_decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="4bit")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--heads", default="32,8,128", help="Hq,Hk,D")
+    ap.add_argument("--launches", type=int, default=4)
+    args = ap.parse_args(argv)
+    from eval.bench_kernels import _fill_pool, _key_offset, make_config
+    from tq_hf.kernels import unified_attention
+    from tq_hf.kernels.attention import _attn_kernel
+    from tq_hf.layout import BlockLayout
+
+    hq, hk, d = (int(x) for x in args.heads.split(","))
+    b, s = args.batch, args.length
+    layout = BlockLayout(make_config(args.preset), hk, d)
+    mu = _key_offset(layout)
+    pool, table = _fill_pool(layout, b, s, key_offset=mu)
+    seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+    q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    for _ in range(args.launches):
+        unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out, key_offset=mu)
+    torch.cuda.synchronize()
+    print(f"{args.preset} B={b} S={s} {hq}/{hk}/{d}: compressed bytes {b * hk * s * layout.config.token_head_bytes(d) / 1e9:.3f} GB")
+    describe_compiled(_attn_kernel)
+
+
+if __name__ == "__main__":
+    main()
