@@ -206,6 +206,21 @@ def test_crop_then_continue():
     assert cache.layers[0].seq_lens.tolist() == [25] * 4
 
 
+def test_crop_by_a_tensor_keeps_host_lengths():
+    """Assisted decoding on transformers 5.17 crops by a 0-d device tensor; lengths and the ring's
+    valid-from position must stay host ints (the GPU launcher rejects a tensor recent_from)."""
+    cache = new_cache(layers=1, recent_window=4)
+    expected = fill(cache, prompt=12, decode=1)
+    cache.crop(torch.tensor(-3))
+    layer = cache.layers[0]
+    assert type(layer.length) is int and type(layer.recent_from) is int, (type(layer.length), type(layer.recent_from))
+    assert layer.length == 10 and cache.get_seq_length(0) == 10
+    expected.k, expected.v = expected.k[:, :, :-3], expected.v[:, :, :-3]
+    k, v = kv(4, 2)
+    cache.update(k, v, 0)
+    assert type(layer.length) is int and layer.length == 12
+
+
 def test_reset_empties_and_accepts_a_new_batch():
     cache = new_cache()
     fill(cache)

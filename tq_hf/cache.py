@@ -205,7 +205,11 @@ class TurboQuantLayer(CacheLayerMixin):
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative: drop that many trailing tokens. Positive (transformers < 5.18): keep that many."""
+        """Negative: drop that many trailing tokens. Positive (transformers < 5.18): keep that many.
+
+        Assisted decoding may pass a 0-d tensor (a device count of accepted tokens): it becomes a
+        host int here, as lengths are host ints everywhere else (kernel arguments, no syncs)."""
+        tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
             new_length = min(tokens_to_remove, self.length)
         else:

@@ -468,7 +468,8 @@ def test_small_head_dim_chunks_gpu(head_dim, q_len, group, preset, levers):
 
 def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
     """A variant that needs more shared memory than the GPU has is retried with fewer pipeline
-    stages, then shorter KV tiles; the variant that fits is remembered (one launch afterwards)."""
+    stages, then shorter KV tiles, then (with a recent-window ring) shorter ring tiles; the
+    variant that fits is remembered (one launch afterwards)."""
     import triton.runtime.errors
 
     from tq_hf.kernels import attention as attention_kernel
@@ -478,20 +479,28 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
     class FakeKernel:
         def __getitem__(self, grid):
             def launch(*args, BLOCK_N, num_stages, **constants):
-                launches.append((BLOCK_N, num_stages))
-                if BLOCK_N > 32:
-                    raise triton.runtime.errors.OutOfResources(237568, 232448, "shared memory")
+                launches.append((BLOCK_N, num_stages, constants.get("RN")))
+                if BLOCK_N > 32 or constants.get("RN", 0) > 16:
+                    raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
             return launch
 
     monkeypatch.setattr(attention_kernel, "_attn_kernel", FakeKernel())
     monkeypatch.setattr(attention_kernel, "_FITTED", {})
     constants = {"D": 128, "KEY_BITS": 3}
     attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
-    assert launches == [(128, 2), (128, 1), (64, 1), (32, 1)]
+    assert launches == [(128, 2, None), (128, 1, None), (64, 1, None), (32, 1, None)]
     launches.clear()
     attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
-    assert launches == [(32, 1)]
+    assert launches == [(32, 1, None)]
     launches.clear()
     with pytest.raises(triton.runtime.errors.OutOfResources):  # nothing fits: the last error surfaces
         attention_kernel._launch((1, 1, 1), (), {"D": 256}, 512, 2)
-    assert launches == [(512, 2), (512, 1), (256, 1), (128, 1)]
+    assert launches == [(512, 2, None), (512, 1, None), (256, 1, None), (128, 1, None)]
+    launches.clear()
+    ring = {"D": 128, "HAS_RECENT": True, "RN": 64}  # the ring tile shrinks after the KV tiles
+    attention_kernel._launch((1, 1, 1), (), ring, 64, 2)
+    tiles = [(64, 2), (64, 1), (32, 1), (16, 1)]
+    assert launches == [(bn, st, rn) for rn in (64, 32) for bn, st in tiles] + [(64, 2, 16), (64, 1, 16), (32, 1, 16)]
+    launches.clear()
+    attention_kernel._launch((1, 1, 1), (), ring, 64, 2)
+    assert launches == [(32, 1, 16)]

@@ -30,6 +30,7 @@ range in dense tiles of RN tokens, scored and accumulated like the prefix (_exac
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -48,9 +49,14 @@ from ._common import (
     store_rounded,
     value_rotation_tensor,
 )
+from .key_lut import ASM as _LUT_ASM, CONSTRAINTS as _LUT_CONSTRAINTS, key_lut_words
 from .reduce import reduce_splits
 
 LOG2E = 1.4426950408889634
+LUT_ASM = tl.constexpr(_LUT_ASM)
+LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
+# 4-bit codebook keys decode through key_lut.py's byte permutes on CUDA (TQ_HF_KEY_LUT=0: tl.gather)
+KEY_LUT_DEFAULT = os.environ.get("TQ_HF_KEY_LUT", "1") != "0"
 
 
 @triton.jit
@@ -172,6 +178,7 @@ def _attn_kernel(
     rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] exact recent values, if HAS_RECENT
     recent_size, recent_from,  # W; positions [max(recent_from, seq_len - W), seq_len) are read from the ring
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
+    lut_l0, lut_l1, lut_h0, lut_h1,  # key_lut.py's tables (low/high bytes of the fp16 levels), if KEY_LUT
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NC: tl.constexpr,
@@ -179,6 +186,7 @@ def _attn_kernel(
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
+    KEY_LUT: tl.constexpr,  # 4-bit codebook keys through key_lut.py's byte permutes (else gather the centroids)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -245,7 +253,7 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q16 = (q_key / qdiv).to(tl.float16)
     row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
-    if KEY_BITS != 8:
+    if KEY_BITS == 3 or (KEY_BITS == 4 and not KEY_LUT):
         nc = tl.arange(0, NC)
         table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
 
@@ -289,8 +297,12 @@ def _attn_kernel(
         # scores
         if KEY_BITS == 4:
             kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
-            k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
-            k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
+            if KEY_LUT:
+                k_lo, k_hi = tl.inline_asm_elementwise(LUT_ASM, LUT_CONSTRAINTS, [kb, lut_l0, lut_l1, lut_h0, lut_h1],
+                                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+            else:
+                k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
+                k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
         elif KEY_BITS == 3:
@@ -375,26 +387,39 @@ def _attn_kernel(
 
 
 # ---- launcher ----------------------------------------------------------------------------------
-# (constants, block_n, num_stages) -> the (block_n, num_stages) that fits this GPU's shared memory
-_FITTED: dict[tuple, tuple[int, int]] = {}
+# (constants, block_n, num_stages) -> the (block_n, num_stages, RN) that fits this GPU's shared memory
+_FITTED: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _step_downs(block_n: int, num_stages: int, ring_n: int | None) -> list[tuple[int, int, int | None]]:
+    """Variants to try, in order: fewer pipeline stages, then shorter KV tiles; with a recent-window
+    ring, each of those with shorter ring tiles too (a 64-row prefill tile with a 64-token ring
+    needs 256 KiB of shared memory at head_dim 128 whatever the KV tile: Triton 3.6, H200)."""
+    tiles = [(block_n, num_stages), (block_n, 1), (max(16, block_n // 2), 1), (max(16, block_n // 4), 1)]
+    rings = [ring_n] if ring_n is None else sorted({ring_n, max(16, ring_n // 2), max(16, ring_n // 4)}, reverse=True)
+    out = []
+    for rn in rings:
+        out += [(bn, st, rn) for bn, st in tiles if (bn, st, rn) not in out]
+    return out
 
 
 def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int) -> None:
-    """Launch, stepping down (fewer pipeline stages, then shorter KV tiles) when a variant needs
-    more shared memory than the GPU has (e.g. 3-bit codes with dense exact tiles at head_dim 128).
-    The failure is raised before anything is enqueued, so a retry is safe, also under CUDA-graph
-    capture; the variant that fits is remembered, so later calls launch once."""
+    """Launch, stepping down (_step_downs) when a variant needs more shared memory than the GPU has
+    (e.g. 3-bit codes with dense exact tiles at head_dim 128). The failure is raised before
+    anything is enqueued, so a retry is safe, also under CUDA-graph capture; the variant that fits
+    is remembered, so later calls launch once."""
     key = (tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
-    tries = [_FITTED[key]] if key in _FITTED else [(block_n, num_stages), (block_n, 1), (max(16, block_n // 2), 1),
-                                                    (max(16, block_n // 4), 1)]
-    for i, (bn, stages) in enumerate(tries):
+    ring_n = constants["RN"] if constants.get("HAS_RECENT") else None
+    tries = [_FITTED[key]] if key in _FITTED else _step_downs(block_n, num_stages, ring_n)
+    for i, (bn, stages, rn) in enumerate(tries):
+        variant = constants if rn is None else {**constants, "RN": rn}
         try:
-            _attn_kernel[grid](*args, BLOCK_N=bn, num_stages=stages, **constants)
+            _attn_kernel[grid](*args, BLOCK_N=bn, num_stages=stages, **variant)
         except triton.runtime.errors.OutOfResources:
             if i == len(tries) - 1:
                 raise
             continue
-        _FITTED[key] = (bn, stages)
+        _FITTED[key] = (bn, stages, rn)
         return
 
 
@@ -420,6 +445,13 @@ def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     if t is None:
         return placeholder, 0, 0, 0
     return t, t.stride(0), t.stride(1), t.stride(2)
+
+
+def _key_lut(layout: BlockLayout, device: torch.device, wanted: bool) -> tuple[int, int, int, int] | None:
+    """key_lut.py's tables for 4-bit codebook keys on CUDA, else None (the interpreter runs no PTX)."""
+    if not wanted or device.type != "cuda":
+        return None
+    return key_lut_words(layout.config, layout.head_dim)
 
 
 def _tuned_for_gpu(device: torch.device) -> bool:
@@ -547,7 +579,8 @@ def unified_attention(
     max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
-    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages"}).
+    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
+    "key_lut": False to gather the 4-bit centroids instead of key_lut.py's byte permutes}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -615,6 +648,7 @@ def unified_attention(
         plse = workspace[n_rows * dp : need]
 
     dummy = seq_lens
+    lut = _key_lut(layout, pool.device, tuning.get("key_lut", KEY_LUT_DEFAULT))
     grid = (m_tiles * num_splits, hk, b)
     args = (
         query, query.stride(0), query.stride(1), query.stride(2),
@@ -626,7 +660,7 @@ def unified_attention(
         *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
         *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        layout.block_bytes, layout.plane_bytes,
+        layout.block_bytes, layout.plane_bytes, *(lut or (0, 0, 0, 0)),
     )
     constants = dict(
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
@@ -638,6 +672,7 @@ def unified_attention(
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        KEY_LUT=lut is not None,
         num_warps=num_warps,
     )
     _launch(grid, args, constants, block_n, num_stages)

@@ -1,0 +1,98 @@
+"""Decode kernel variants side by side: centroid lookup (prmt table vs tl.gather) x tile shapes.
+
+For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the 4-bit decode over the same
+pool (CUDA-graph replays, L2 flushed, medians), and checks each variant's output against the
+gather variant with the launcher's defaults (max |diff|; the two lookups give the same fp16
+centroids, so only the summation order differs).
+
+    python -m eval.bench_decode_variants --out eval/results/decode_variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from eval.bench_kernels import _fill_pool, _flush_buffer, make_config, time_ms
+from eval.common import markdown_table, run_metadata
+
+VARIANTS = {  # name -> unified_attention tuning
+    "gather (launcher default tiles)": {"key_lut": False},
+    "prmt (launcher default tiles)": {"key_lut": True},
+    "prmt BLOCK_N 128, 4 warps": {"key_lut": True, "block_n": 128, "num_warps": 4},
+    "prmt BLOCK_N 128, 8 warps": {"key_lut": True, "block_n": 128, "num_warps": 8},
+    "prmt BLOCK_N 256, 8 warps": {"key_lut": True, "block_n": 256, "num_warps": 8},
+    "prmt BLOCK_N 64, 4 warps": {"key_lut": True, "block_n": 64, "num_warps": 4},
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m eval.bench_decode_variants", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
+    ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--out", default="eval/results/decode_variants")
+    args = ap.parse_args(argv)
+    from tq_hf.kernels import unified_attention
+    from tq_hf.layout import BlockLayout
+
+    hq, hk, d = 32, 8, 128
+    flush = _flush_buffer()
+    rows = []
+    for point in args.points.split(","):
+        b, s = (int(x) for x in point.split("x"))
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
+        del k, v
+        for preset in args.presets.split(","):
+            layout = BlockLayout(make_config(preset), hk, d)
+            pool, table = _fill_pool(layout, b, s)
+            seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+            scale = 1 / math.sqrt(d)
+            baseline = None
+            for name, tuning in VARIANTS.items():
+                out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
+                try:
+                    call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
+                                                     tuning=tuning)
+                    call()
+                    torch.cuda.synchronize()
+                    if baseline is None:
+                        baseline = out.clone()
+                    diff = float((out.float() - baseline.float()).abs().max())
+                    ms = time_ms(call, args.reps, True, flush)
+                except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
+                    rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    print(f"B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
+                    continue
+                cbytes = b * hk * s * layout.config.token_head_bytes(d)
+                rows.append({"B": b, "S": s, "preset": preset, "variant": name, "tuning": tuning, "ms": ms,
+                             "sdpa_fp16_ms": sdpa, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6,
+                             "max_abs_diff_vs_first": diff, "finite": bool(torch.isfinite(out).all())})
+                print(f"B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
+                      f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
+            del pool, table
+            torch.cuda.empty_cache()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": run_metadata("eval.bench_decode_variants", argv),
+                                                      "rows": rows}, indent=1))
+    table_rows = [[r["B"], r["S"], r["preset"], r["variant"],
+                   f"{r['ms']:.4f}" if "ms" in r else r["error"][:60],
+                   f"{r['ratio_vs_fp16']:.2f}" if "ms" in r else "", f"{r['GBps']:.0f}" if "ms" in r else "",
+                   f"{r['max_abs_diff_vs_first']:.1e}" if "ms" in r else ""] for r in rows]
+    text = markdown_table(["B", "S", "preset", "variant", "ms", "x fp16", "GB/s", "max|diff|"], table_rows)
+    (out_dir / "table.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
