@@ -1,9 +1,11 @@
-"""Decode kernel variants side by side: centroid lookup (prmt table vs tl.gather) x tile shapes.
+"""Decode kernel tile variants side by side (KV tile length x warps) on the same pool.
 
-For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the 4-bit decode over the same
-pool (CUDA-graph replays, L2 flushed, medians), and checks each variant's output against the
-gather variant with the launcher's defaults (max |diff|; the two lookups give the same fp16
-centroids, so only the summation order differs).
+For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the decode over the same pool
+(CUDA-graph replays, L2 flushed, medians), and checks each variant's output against the
+launcher's defaults (max |diff|: only the summation order differs).
+eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
+4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
+so the lookup is not what limits decode; that path was removed again.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
 """
@@ -22,12 +24,11 @@ from eval.bench_kernels import _fill_pool, _flush_buffer, make_config, time_ms
 from eval.common import markdown_table, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
-    "gather (launcher default tiles)": {"key_lut": False},
-    "prmt (launcher default tiles)": {"key_lut": True},
-    "prmt BLOCK_N 128, 4 warps": {"key_lut": True, "block_n": 128, "num_warps": 4},
-    "prmt BLOCK_N 128, 8 warps": {"key_lut": True, "block_n": 128, "num_warps": 8},
-    "prmt BLOCK_N 256, 8 warps": {"key_lut": True, "block_n": 256, "num_warps": 8},
-    "prmt BLOCK_N 64, 4 warps": {"key_lut": True, "block_n": 64, "num_warps": 4},
+    "launcher defaults": {},
+    "BLOCK_N 128, 4 warps": {"block_n": 128, "num_warps": 4},
+    "BLOCK_N 128, 8 warps": {"block_n": 128, "num_warps": 8},
+    "BLOCK_N 256, 8 warps": {"block_n": 256, "num_warps": 8},
+    "BLOCK_N 64, 4 warps": {"block_n": 64, "num_warps": 4},
 }
 
 

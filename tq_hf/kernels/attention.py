@@ -30,7 +30,6 @@ range in dense tiles of RN tokens, scored and accumulated like the prefix (_exac
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -49,14 +48,9 @@ from ._common import (
     store_rounded,
     value_rotation_tensor,
 )
-from .key_lut import ASM as _LUT_ASM, CONSTRAINTS as _LUT_CONSTRAINTS, key_lut_words
 from .reduce import reduce_splits
 
 LOG2E = 1.4426950408889634
-LUT_ASM = tl.constexpr(_LUT_ASM)
-LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
-# 4-bit codebook keys decode through key_lut.py's byte permutes on CUDA (TQ_HF_KEY_LUT=0: tl.gather)
-KEY_LUT_DEFAULT = os.environ.get("TQ_HF_KEY_LUT", "1") != "0"
 
 
 @triton.jit
@@ -178,7 +172,6 @@ def _attn_kernel(
     rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] exact recent values, if HAS_RECENT
     recent_size, recent_from,  # W; positions [max(recent_from, seq_len - W), seq_len) are read from the ring
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
-    lut_l0, lut_l1, lut_h0, lut_h1,  # key_lut.py's tables (low/high bytes of the fp16 levels), if KEY_LUT
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NC: tl.constexpr,
@@ -186,7 +179,6 @@ def _attn_kernel(
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
-    KEY_LUT: tl.constexpr,  # 4-bit codebook keys through key_lut.py's byte permutes (else gather the centroids)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -253,7 +245,7 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q16 = (q_key / qdiv).to(tl.float16)
     row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
-    if KEY_BITS == 3 or (KEY_BITS == 4 and not KEY_LUT):
+    if KEY_BITS != 8:
         nc = tl.arange(0, NC)
         table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
 
@@ -297,12 +289,8 @@ def _attn_kernel(
         # scores
         if KEY_BITS == 4:
             kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
-            if KEY_LUT:
-                k_lo, k_hi = tl.inline_asm_elementwise(LUT_ASM, LUT_CONSTRAINTS, [kb, lut_l0, lut_l1, lut_h0, lut_h1],
-                                                       dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-            else:
-                k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
-                k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
+            k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
+            k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
         elif KEY_BITS == 3:
@@ -447,13 +435,6 @@ def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     return t, t.stride(0), t.stride(1), t.stride(2)
 
 
-def _key_lut(layout: BlockLayout, device: torch.device, wanted: bool) -> tuple[int, int, int, int] | None:
-    """key_lut.py's tables for 4-bit codebook keys on CUDA, else None (the interpreter runs no PTX)."""
-    if not wanted or device.type != "cuda":
-        return None
-    return key_lut_words(layout.config, layout.head_dim)
-
-
 def _tuned_for_gpu(device: torch.device) -> bool:
     """Launch heuristics for a real GPU (the interpreter gets small tiles); patched by tests."""
     return device.type == "cuda"
@@ -579,8 +560,7 @@ def unified_attention(
     max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
-    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
-    "key_lut": False to gather the 4-bit centroids instead of key_lut.py's byte permutes}).
+    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages"}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -648,7 +628,6 @@ def unified_attention(
         plse = workspace[n_rows * dp : need]
 
     dummy = seq_lens
-    lut = _key_lut(layout, pool.device, tuning.get("key_lut", KEY_LUT_DEFAULT))
     grid = (m_tiles * num_splits, hk, b)
     args = (
         query, query.stride(0), query.stride(1), query.stride(2),
@@ -660,7 +639,7 @@ def unified_attention(
         *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
         *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        layout.block_bytes, layout.plane_bytes, *(lut or (0, 0, 0, 0)),
+        layout.block_bytes, layout.plane_bytes,
     )
     constants = dict(
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
@@ -672,7 +651,6 @@ def unified_attention(
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
-        KEY_LUT=lut is not None,
         num_warps=num_warps,
     )
     _launch(grid, args, constants, block_n, num_stages)
