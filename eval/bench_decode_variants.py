@@ -1,13 +1,16 @@
-"""Decode kernel tile variants side by side (KV tile length x warps) on the same pool.
+"""Decode kernel variants side by side: tile shapes (--sweep tiles) or format levers (--sweep levers).
 
-For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the decode over the same pool
-(CUDA-graph replays, L2 flushed, medians), and checks each variant's output against the
-launcher's defaults (max |diff|: only the summation order differs).
+For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the decode (CUDA-graph replays,
+L2 flushed, medians). tiles: KV tile length x warps over the same pool, each output checked
+against the launcher's defaults (max |diff|: only the summation order differs). levers: the
+plain 4-bit format, then key centering + value rotation, the 4 exact leading tokens and the
+128-token exact ring (the "4bit" preset's defaults), alone and together: what each costs.
 eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
 4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
 so the lookup is not what limits decode; that path was removed again.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
+    python -m eval.bench_decode_variants --sweep levers --out eval/results/decode_levers
 """
 
 from __future__ import annotations
@@ -31,15 +34,48 @@ VARIANTS = {  # name -> unified_attention tuning
     "BLOCK_N 64, 4 warps": {"block_n": 64, "num_warps": 4},
 }
 
+LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
+    "plain (no levers)": ({}, 0, 0),
+    "+ centering + value rotation": ({"key_centering": True, "value_rotation": True}, 0, 0),
+    "+ 4 exact leading tokens": ({}, 4, 0),
+    "+ 128-token exact ring": ({}, 0, 128),
+    "all (4bit defaults + centering)": ({"key_centering": True, "value_rotation": True}, 4, 128),
+}
+
+
+def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str = "cuda"):
+    """(call, pool) for one lever variant: pool of s random tokens plus the exact side buffers."""
+    from tq_hf.kernels import unified_attention
+
+    hk, d = layout.num_kv_heads, layout.head_dim
+    mu = torch.randn(hk, d, device=device) if layout.config.key_centering else None
+    pool, table = _fill_pool(layout, b, s, device=device, key_offset=mu)
+    seq = torch.full((b,), s, device=device, dtype=torch.int32)
+    extra = {}
+    if prefix:
+        pk = torch.randn(b, hk, prefix, d, device=device, dtype=torch.float16)
+        extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
+    if ring:
+        rk = torch.randn(b, hk, ring, d, device=device, dtype=torch.float16)
+        extra.update(recent_keys=rk, recent_values=torch.randn_like(rk), recent_from=0)
+    out = torch.full_like(q, float("nan"))
+
+    def call():
+        return unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out,
+                                 key_offset=mu, **extra)
+    return call, out
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m eval.bench_decode_variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
     ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
+    ap.add_argument("--sweep", choices=["tiles", "levers"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
     args = ap.parse_args(argv)
+    from tq_hf.config import TurboQuantConfig
     from tq_hf.kernels import unified_attention
     from tq_hf.layout import BlockLayout
 
@@ -53,6 +89,24 @@ def main(argv: list[str] | None = None) -> None:
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
         sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
         del k, v
+        if args.sweep == "levers":
+            for name, (overrides, prefix, ring) in LEVERS.items():
+                options = {"key_centering": False, "value_rotation": False, **overrides}
+                cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
+                                                   **options)
+                layout = BlockLayout(cfg, hk, d)
+                call, out = _lever_call(q, layout, b, s, prefix, ring)
+                call()
+                torch.cuda.synchronize()
+                ms = time_ms(call, args.reps, True, flush)
+                cbytes = b * hk * s * cfg.token_head_bytes(d)
+                rows.append({"B": b, "S": s, "preset": "4bit", "variant": name, "ms": ms, "sdpa_fp16_ms": sdpa,
+                             "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, "max_abs_diff_vs_first": float("nan"),
+                             "finite": bool(torch.isfinite(out).all())})
+                print(f"B={b} S={s} 4bit {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), finite "
+                      f"{rows[-1]['finite']}", flush=True)
+                torch.cuda.empty_cache()
+            continue
         for preset in args.presets.split(","):
             layout = BlockLayout(make_config(preset), hk, d)
             pool, table = _fill_pool(layout, b, s)

@@ -18,8 +18,8 @@ exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers
 keys/values instead of the pool, and the compressed walk starts after them. Split 0 (the only
 split of a prefill tile) attends over them first, as one dense tile, while its accumulators are
 still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
-into the code accumulators (pre-rotated by Rv^T under value_rotation, so the epilogue's Rv
-restores them): the walk and the epilogue are the same with or without a prefix.
+into the code accumulators, or under value_rotation into a third accumulator in the original
+space (acc_x), rescaled with the others and added after the epilogue's rotation by Rv.
 recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len - W), come from
 a dense ring of exact keys/values (position j at slot j % W) and win over the prefix and the
 pool there: the compressed walk (split across the splits) ends at ring_lo, the prefix tile drops
@@ -109,26 +109,22 @@ def _softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _prefix_value_cols(v_base, s_pos, pc, p_ok, vrot_ptr, cols, col_ok, dc, D: tl.constexpr, VALUE_ROT: tl.constexpr):
-    """Columns `cols` of the exact prefix values [N, D] in the space the accumulators hold:
-    under value_rotation that is v @ Rv^T, so the epilogue's multiplication by Rv restores v."""
-    if VALUE_ROT:
-        v = tl.load(v_base + pc[:, None] * s_pos + dc[None, :], mask=p_ok[:, None] & (dc[None, :] < D), other=0.0)
-        rv_t = tl.load(vrot_ptr + cols[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & col_ok[None, :], other=0.0)
-        return tl.dot(v.to(tl.float32), rv_t, input_precision="tf32x3")
-    else:
-        v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0.0)
-        return v.to(tl.float32)
+def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
+    """Columns `cols` of the exact values [N, D] (prefix or ring), as fp32."""
+    v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0.0)
+    return v.to(tl.float32)
 
 
 @triton.jit
-def _exact_tile(q, m_i, l_i, acc_a, acc_b, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos, window,
-                sm_scale, softcap, vrot_ptr, dc, hc, D: tl.constexpr, VALUE_BITS: tl.constexpr,
+def _exact_tile(q, m_i, l_i, acc_a, acc_b, acc_x, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos, window,
+                sm_scale, softcap, dc, hc, D: tl.constexpr, VALUE_BITS: tl.constexpr,
                 VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
     rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
-    from the unrotated query (exact keys need no q . mu); values join the code accumulators in
-    their space (pre-rotated by Rv^T; acc_b holds 16 x the high half under 4-bit values)."""
+    from the unrotated query (exact keys need no q . mu). Values join the code accumulators
+    (acc_b holds 16 x the high half under 4-bit values), or, under value_rotation, acc_x: an
+    accumulator in the original space that the epilogue adds after rotating the codes' part back
+    (rotating exact values by Rv^T in here took 172 KB of shared memory with a 64-token ring)."""
     k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
     s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3") * sm_scale
     s = _log2_logits(s, softcap, HAS_SOFTCAP)
@@ -137,15 +133,20 @@ def _exact_tile(q, m_i, l_i, acc_a, acc_b, bias_acc, k_base, s_k, v_base, s_v, r
         vis = vis & (pos[None, :] > qpos[:, None] - window)
     p, alpha, m_i, l_i = _softmax_step(tl.where(vis, s, -float("inf")), m_i, l_i)
     bias_acc = bias_acc * alpha
-    if VALUE_BITS == 4:
-        v_lo = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, hc, hc < D // 2, dc, D, VALUE_ROT)
-        v_hi = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, hc + D // 2, hc < D // 2, dc, D, VALUE_ROT)
+    if VALUE_ROT:
+        acc_a = acc_a * alpha[:, None]
+        acc_b = acc_b * alpha[:, None]
+        acc_x = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc_x * alpha[:, None],
+                       input_precision="tf32x3")
+    elif VALUE_BITS == 4:
+        v_lo = _exact_value_cols(v_base, s_v, rows, ok, hc, hc < D // 2)
+        v_hi = _exact_value_cols(v_base, s_v, rows, ok, hc + D // 2, hc < D // 2)
         acc_a = tl.dot(p, v_lo, acc_a * alpha[:, None], input_precision="tf32x3")
         acc_b = tl.dot(p * 16.0, v_hi, acc_b * alpha[:, None], input_precision="tf32x3")
     else:
-        v_all = _prefix_value_cols(v_base, s_v, rows, ok, vrot_ptr, dc, dc < D, dc, D, VALUE_ROT)
-        acc_a = tl.dot(p, v_all, acc_a * alpha[:, None], input_precision="tf32x3")
-    return m_i, l_i, acc_a, acc_b, bias_acc
+        acc_a = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc_a * alpha[:, None],
+                       input_precision="tf32x3")
+    return m_i, l_i, acc_a, acc_b, acc_x, bias_acc
 
 
 # Runtime ints that vary step to step are not specialized (one compiled variant serves every chunk
@@ -259,6 +260,8 @@ def _attn_kernel(
         l_i = tl.where(first, 1.0, l_i)
     acc_a = tl.zeros((BLOCK_M, DHP if VALUE_BITS == 4 else DP), tl.float32)
     acc_b = tl.zeros((BLOCK_M, ACC_B), tl.float32)
+    EXACT_ACC: tl.constexpr = VALUE_ROT and (HAS_PREFIX or HAS_RECENT)  # exact values, unrotated
+    acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
@@ -268,11 +271,11 @@ def _attn_kernel(
             pc = tl.arange(0, PP)
             ppos = kv_first + pc
             p_ok = (pc < prefix_len) & (ppos < pool_hi)  # pool_hi <= seq_len: unfilled entries stay unread
-            m_i, l_i, acc_a, acc_b, bias_acc = _exact_tile(
-                q, m_i, l_i, acc_a, acc_b, bias_acc,
+            m_i, l_i, acc_a, acc_b, acc_x, bias_acc = _exact_tile(
+                q, m_i, l_i, acc_a, acc_b, acc_x, bias_acc,
                 pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh, s_pkp,
                 pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh, s_pvp,
-                pc, ppos, p_ok, qpos, window, sm_scale, softcap, vrot_ptr, dc, hc,
+                pc, ppos, p_ok, qpos, window, sm_scale, softcap, dc, hc,
                 D, VALUE_BITS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     head_off = h.to(tl.int64) * plane_bytes
@@ -326,6 +329,8 @@ def _attn_kernel(
         else:
             vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
             acc_a = tl.dot(ps, vc.to(tl.float16), acc_a * alpha[:, None])
+        if EXACT_ACC:
+            acc_x = acc_x * alpha[:, None]
 
     # ---- recent window: the last split walks the ring's positions in dense tiles ---------------
     if HAS_RECENT:
@@ -336,9 +341,9 @@ def _attn_kernel(
             for j0 in range(ring_first, kv_hi, RN):  # at most W positions
                 rpos = j0 + tl.arange(0, RN)
                 r_ok = rpos < kv_hi
-                m_i, l_i, acc_a, acc_b, bias_acc = _exact_tile(
-                    q, m_i, l_i, acc_a, acc_b, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
-                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, vrot_ptr, dc, hc,
+                m_i, l_i, acc_a, acc_b, acc_x, bias_acc = _exact_tile(
+                    q, m_i, l_i, acc_a, acc_b, acc_x, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, hc,
                     D, VALUE_BITS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
@@ -361,6 +366,8 @@ def _attn_kernel(
             rv_hi = tl.load(vrot_ptr + (hc[:, None] + D // 2) * D + dc[None, :], mask=rmask, other=0.0)
             out = tl.dot(out_lo, rv_lo, input_precision="tf32x3")
             out = tl.dot(out_hi, rv_hi, out, input_precision="tf32x3")
+            if EXACT_ACC:
+                out = out + acc_x * inv_l[:, None]
             store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
         else:
             om = row_ok[:, None] & (hc[None, :] < D // 2)
@@ -371,6 +378,8 @@ def _attn_kernel(
         if VALUE_ROT:
             rv = tl.load(vrot_ptr + dc[:, None] * D + dc[None, :], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
             out = tl.dot(out, rv, input_precision="tf32x3")
+            if EXACT_ACC:
+                out = out + acc_x * inv_l[:, None]
         store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
 
 
