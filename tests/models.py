@@ -96,10 +96,10 @@ def tq_config(**overrides) -> TurboQuantConfig:
 def fake_quantize(key: torch.Tensor, value: torch.Tensor, cfg: TurboQuantConfig, key_offset=None):
     """What the compressed cache reconstructs for these K/V [B, H, L, D] (float32).
 
-    key_offset [H, D]: the key_centering mean (None: no centering).
+    key_offset: the key_centering mean, [H, D] shared or [B, H, D] per row (None: no centering).
     """
     d = key.shape[-1]
-    offset = None if key_offset is None else key_offset[:, None, :]
+    offset = None if key_offset is None else key_offset[:, None, :] if key_offset.dim() == 2 else key_offset[:, :, None, :]
     v_rot = reference.value_rotation_matrix(cfg, d)
     k_codes, k_scale = reference.quantize_keys(key, cfg, offset)
     v_codes, v_scale, v_mid = reference.quantize_values(value, cfg.value_bits, v_rot)
@@ -124,8 +124,11 @@ class FakeQuantLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         first = self.get_seq_length() == 0
-        if self.cfg.key_centering and self.key_offset is None:  # independent of cache.py: the spec's mean
-            self.key_offset = key_states.float().mean(dim=(0, 2))
+        if self.cfg.key_centering and self.key_offset is None:  # independent of cache.py: the spec's mean,
+            start = self.cache.kv_start_for(key_states.shape[0]).to(key_states.device)  # per row, pads left out
+            real = (torch.arange(key_states.shape[2], device=key_states.device)[None, :] >= start[:, None])[:, None, :, None]
+            total = torch.where(real, key_states.float(), 0.0).sum(2)
+            self.key_offset = total / real.sum(2).clamp_min(1)
         k, v = fake_quantize(key_states.cpu(), value_states.cpu(), self.cfg,
                              None if self.key_offset is None else self.key_offset.cpu())
         k, v = k.to(key_states.device), v.to(key_states.device)
@@ -155,6 +158,24 @@ class FakeQuantLayer(DynamicLayer):
         super().reorder_cache(beam_idx)
         if self.exact is not None:
             self.exact.reorder_cache(beam_idx)
+        self._select_offsets(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        if self.exact is not None:
+            self.exact.batch_repeat_interleave(repeats)
+        if self.key_offset is not None:
+            self.key_offset = self.key_offset.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        if self.exact is not None:
+            self.exact.batch_select_indices(indices)
+        self._select_offsets(indices)
+
+    def _select_offsets(self, indices):
+        if self.key_offset is not None:  # one key_centering mean per row: rows carry theirs
+            self.key_offset = self.key_offset[indices.to(self.key_offset.device)]
 
 
 def _prefix_from(quantized, exact, start, p):

@@ -77,15 +77,18 @@ def test_fidelity_options_match_fake_quant(family, prefill):
     compare(model, ids, mask, cfg, f"{family} centering+rotation {prefill}", max_new_tokens=6)
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3"])
-def test_each_row_of_a_padded_batch_generates_as_if_alone(family):
+@pytest.mark.parametrize("family,centering", [("llama", False), ("mistral", False), ("gemma3", False),
+                                              ("llama", True), ("qwen2", True)])
+def test_each_row_of_a_padded_batch_generates_as_if_alone(family, centering):
+    """Also with key_centering: each row's mean is taken over its own real tokens, so neither the
+    padding nor the other rows of the batch change what a row stores."""
     model = tiny_model(family)
     ids, mask, prompts = left_padded_batch([11, 4, 8], seed=4)
-    batched, _ = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config()), max_new_tokens=8)
+    cfg = tq_config(key_centering=centering)
+    batched, _ = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=8)
     for row, prompt in enumerate(prompts):
-        alone, _ = generate(model, prompt[None], None, TurboQuantCache(model.config, tq_config=tq_config()),
-                            max_new_tokens=8)
-        assert torch.equal(batched[row, -8:], alone[0, -8:]), f"{family} row {row}"
+        alone, _ = generate(model, prompt[None], None, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=8)
+        assert torch.equal(batched[row, -8:], alone[0, -8:]), f"{family} centering={centering} row {row}"
 
 
 def test_sampling_with_num_return_sequences():

@@ -4,7 +4,7 @@ A hypothesis rule-based state machine drives a TurboQuantCache and a plain model
 random prefill/decode updates (left padding included), crop, reorder_cache with duplicates,
 batch_select_indices, batch_repeat_interleave, reset and reuse. The plain model is transformers'
 own DynamicCache holding the quantize-dequantized K/V (tests/models.fake_quantize, with the
-key_centering offset taken as the mean of the first update's keys per KV head), a second
+key_centering offsets: each row's mean over the real tokens of its first update), a second
 DynamicCache holding the exact K/V (for exact_prefix_tokens), and the 2-D padding mask; every
 operation is applied to it with HF's semantics. After every step:
   * attention agrees: the "turboquant" attention function on each update, and ops.paged_attention
@@ -63,7 +63,7 @@ class PlainModel:
     def reset(self) -> None:
         self.quant, self.exact = DynamicCache(), DynamicCache()
         self.real: torch.Tensor | None = None  # [B, S] bool: not left padding
-        self.key_offset: list[torch.Tensor | None] = [None] * LAYERS  # survives crop-to-0, not reset
+        self.key_offset: list[torch.Tensor | None] = [None] * LAYERS  # per row, from a batch's first update
 
     @property
     def length(self) -> int:
@@ -77,8 +77,9 @@ class PlainModel:
         return (~self.real).int().cumprod(-1).sum(-1)
 
     def add(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.cfg.key_centering and self.key_offset[layer] is None:
-            self.key_offset[layer] = k.float().mean(dim=(0, 2))
+        if self.cfg.key_centering and self.key_offset[layer] is None:  # each row's mean over its real tokens
+            real = self.real[:, -k.shape[2]:].to(k.device)[:, None, :, None]
+            self.key_offset[layer] = torch.where(real, k.float(), 0.0).sum(2) / real.sum(2).clamp_min(1)
         off = self.key_offset[layer]
         qk, qv = fake_quantize(k.cpu(), v.cpu(), self.cfg, None if off is None else off.cpu())
         self.quant.update(qk, qv, layer)
@@ -110,21 +111,28 @@ class PlainModel:
         self.real = self.real[:, : self.length - n]
         if self.length == 0:  # an empty cache takes any batch next: start the stores afresh
             self.quant, self.exact, self.real = DynamicCache(), DynamicCache(), None
+            self.key_offset = [None] * LAYERS
 
     def select(self, idx: torch.Tensor) -> None:
         for store in (self.quant, self.exact):
             store.batch_select_indices(idx)
         self.real = self.real[idx]
+        self._rows_of_offsets(lambda off: off[idx.to(off.device)])
 
     def reorder(self, idx: torch.Tensor) -> None:
         for store in (self.quant, self.exact):
             store.reorder_cache(idx)
         self.real = self.real[idx]
+        self._rows_of_offsets(lambda off: off[idx.to(off.device)])
 
     def repeat(self, r: int) -> None:
         for store in (self.quant, self.exact):
             store.batch_repeat_interleave(r)
         self.real = self.real.repeat_interleave(r, 0)
+        self._rows_of_offsets(lambda off: off.repeat_interleave(r, 0))
+
+    def _rows_of_offsets(self, pick) -> None:
+        self.key_offset = [None if off is None else pick(off) for off in self.key_offset]
 
 
 class CacheMachine(RuleBasedStateMachine):

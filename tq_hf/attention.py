@@ -55,6 +55,7 @@ def turboquant_attention_forward(
     if step is None or step.exact:
         if step is not None:
             _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
+            step.layer.recenter(key, value, step.start)
             step.layer.fill_prefix(key, value, step.start)
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
@@ -69,6 +70,7 @@ def turboquant_attention_forward(
     _check_query(query, layer)
     if step.refresh_padding:
         _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
+        layer.recenter(key, value, step.start)
     layer.fill_prefix(key, value, step.start)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()

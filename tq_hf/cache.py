@@ -84,7 +84,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.seq_lens: torch.Tensor | None = None  # [rows] int32, == length (persistent, filled in place)
         self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
-        self.key_offset: torch.Tensor | None = None  # [H, D] float32 key_centering mean, from the first update
+        self.key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means, from the first update
+        self._recenter_pending = False  # the means came from this forward's update: the attention may drop pads
         self.prefix_keys: torch.Tensor | None = None  # [rows, H, P, D] exact first real tokens (exact_prefix_tokens)
         self.prefix_values: torch.Tensor | None = None
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
@@ -144,8 +145,12 @@ class TurboQuantLayer(CacheLayerMixin):
             self.recent_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
             self.recent_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
             self.recent_from = 0
+        self._recenter_pending = False
+        if was_empty:  # a new batch (or the same rows after crop(0)): new key_centering means
+            self.key_offset = None
         if self.layout.config.key_centering and self.key_offset is None:
-            self.key_offset = _key_mean(key_states)  # per KV head, over the first tokens
+            self.key_offset = _key_mean(key_states)  # per row and KV head, over the first tokens
+            self._recenter_pending = not dense  # the "turboquant" attention refines it once padding is known
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                   key_offset=self.key_offset)
         if self.recent_keys is not None:
@@ -244,6 +249,25 @@ class TurboQuantLayer(CacheLayerMixin):
         self.needs_full_mask = self.needs_full_mask or not contiguous
         if self.prefix_keys is not None:
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
+
+    def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """Once this forward's mask has told where each row's padding ends (set_padding), take the
+        key_centering means over the real tokens only and store the update's tokens again with them.
+
+        Runs at most once, in the forward whose update set the means, and only if rows are padded:
+        the stored codes then never depend on pad tokens, nor on the other rows of the batch.
+        """
+        if not self._recenter_pending:
+            return
+        self._recenter_pending = False
+        if self.kv_start is None:
+            return
+        rows, _, new, _ = key_states.shape
+        pos = torch.arange(start, start + new, device=self.device)
+        real = pos[None, :] >= self.kv_start.long()[:, None]  # [rows, new]
+        self.key_offset = _key_mean(key_states, real)
+        ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
+                  self._slots(start, new), key_offset=self.key_offset)
 
     def _write_recent(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Put the last min(new, W) new tokens into the ring (position p at slot p % W): slice copies,
@@ -369,6 +393,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self.capacity = capacity
         if self.kv_start is not None:
             self.kv_start = self.kv_start.index_select(0, indices)
+        if self.key_offset is not None:
+            self.key_offset = self.key_offset.index_select(0, indices)
         if self.prefix_keys is not None:
             self.prefix_keys = self.prefix_keys.index_select(0, indices)
             self.prefix_values = self.prefix_values.index_select(0, indices)
@@ -380,16 +406,22 @@ class TurboQuantLayer(CacheLayerMixin):
             self._rebuild_tables()
 
 
-def _key_mean(key_states: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, D] -> [H, D] float32 channel mean (key_centering), finite whatever the input.
+def _key_mean(key_states: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, H, L, D] -> [B, H, D] float32 channel means per row (key_centering), finite whatever the input.
 
+    real [B, L] bool: the tokens to average (left padding excluded); a row without any gets 0.
     The plain float32 mean is kept wherever it is finite; where it is not (the sum of keys near the
     float32 maximum overflows, or a NaN/inf sits among the first tokens) a mean taken at a 2**-64
-    scale over the finite elements replaces it, so one bad token cannot poison every row's keys.
+    scale over the finite elements replaces it, so one bad token cannot poison the row's keys.
     """
-    mean = key_states.float().mean(dim=(0, 2))
-    scaled = key_states.float().nan_to_num(0.0, 0.0, 0.0) * 2.0**-64
-    return torch.where(mean.isfinite(), mean, scaled.mean(dim=(0, 2)) * 2.0**64)
+    weight = torch.ones(key_states.shape[0], key_states.shape[2], device=key_states.device) if real is None \
+        else real.float()
+    count = weight.sum(-1).clamp_min(1.0)[:, None, None]  # [B, 1, 1]
+    w = weight[:, None, :, None]
+    x = key_states.float()
+    mean = torch.where(w > 0, x, 0.0).sum(2) / count
+    scaled = torch.where(w > 0, x.nan_to_num(0.0, 0.0, 0.0) * 2.0**-64, 0.0).sum(2) / count
+    return torch.where(mean.isfinite(), mean, scaled * 2.0**64)
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:

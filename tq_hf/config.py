@@ -57,10 +57,11 @@ class TurboQuantConfig:
         from the end), e.g. (0, 1, -2, -1) for the first and last two, which the field found
         necessary at low bit widths without the levers below. Default (): on SmolLM2 they bought
         nothing once the levers were on, and cost 0.37x instead of 0.27x of fp16 bytes.
-    key_centering: subtract a per-(layer, KV head) channel mean, measured on the layer's first
-        update (over the whole batch: rows then depend on each other), from keys before quantizing. Softmax is invariant to the constant q . mean term,
-        so attention needs no correction (except with attention sinks, where it is added back);
-        it removes the large per-channel key biases that dominate the quantization error.
+    key_centering: subtract a per-(layer, row, KV head) channel mean, measured on the row's real
+        tokens of the layer's first update, from keys before quantizing. Softmax is invariant to
+        the constant q . mean term, so attention needs no correction (except with attention sinks
+        or softcapping, where it is added back); it removes the large per-channel key biases
+        that dominate the quantization error. Per row, so rows never depend on each other.
     value_rotation: rotate values before quantizing them (outliers spread over all channels);
         the inverse rotation is applied once to the attention output.
     exact_prefix_tokens: the first real tokens of every row (attention sinks: they draw a large

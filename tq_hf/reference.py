@@ -198,9 +198,14 @@ def store(
     """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
 
     A slot is block * block_size + offset; negative slots are skipped (padding).
-    `key_offset` [H, D]: the key_centering mean (None: no centering).
+    `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
+    [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
+    cache lays out an update).
     """
     cfg = layout.config
+    key_offset = per_token_offset(key_offset, key.shape[0])
+    if key_offset is not None and key_offset.dim() == 3:
+        key_offset = key_offset[slots >= 0]
     keep = slots >= 0
     key, value, slots = key[keep], value[keep], slots[keep]
     block, offset = slots // layout.block_size, slots % layout.block_size
@@ -215,10 +220,28 @@ def store(
     meta[block, :, VALUE_MID, offset] = v_mid
 
 
+def per_token_offset(key_offset: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+    """A key_centering mean for N tokens: [H, D] as is; [R, H, D] -> [N, H, D], row r's mean for
+    tokens r * N / R .. (r + 1) * N / R - 1 (an update's tokens are row-major)."""
+    if key_offset is None or key_offset.dim() == 2:
+        return key_offset
+    rows = key_offset.shape[0]
+    if rows == 0 or tokens % rows:
+        raise ValueError(f"a per-row key_offset of {rows} rows needs a token count divisible by it, got {tokens}")
+    return key_offset.repeat_interleave(tokens // rows, dim=0)
+
+
+def row_offset(key_offset: torch.Tensor) -> torch.Tensor:
+    """A key_centering mean as [B or 1, H, D] float32 (one per row, or one shared)."""
+    return key_offset.float() if key_offset.dim() == 3 else key_offset.float()[None]
+
+
 def gather(
     pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor, key_offset: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantize every slot of every row's blocks: (K, V), each [B, H, NB * T, D] float32."""
+    """Dequantize every slot of every row's blocks: (K, V), each [B, H, NB * T, D] float32.
+
+    key_offset: the key_centering mean, [H, D] shared or [B, H, D] per row."""
     cfg, d = layout.config, layout.head_dim
     bt = block_table.long()
 
@@ -229,7 +252,10 @@ def gather(
     vc = tokens_last(layout.value_codes(pool)[bt])
     meta = layout.metadata(pool)[bt]  # [B, NB, H, 3, T]
     meta = meta.permute(0, 2, 3, 1, 4).flatten(3, 4)  # [B, H, 3, NB*T]
-    offset = None if key_offset is None else key_offset.float()[None, :, None, :]
+    if key_offset is not None and key_offset.dim() == 3 and key_offset.shape[0] != bt.shape[0]:
+        raise ValueError(f"key_offset must be [H, D] or one mean per row [{bt.shape[0]}, H, D], "
+                         f"got {list(key_offset.shape)}")
+    offset = None if key_offset is None else row_offset(key_offset)[:, :, None, :]
     k = dequantize_keys(kc, meta[:, :, KEY_SCALE], cfg, d, offset)
     v_rot = value_rotation_matrix(cfg, d, str(pool.device))
     v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d, v_rot)

@@ -124,8 +124,8 @@ def fill_cache(layout: BlockLayout, lens: list[int], device=DEVICE, extra_blocks
                dtype=torch.float32, key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A pool holding len tokens per row (random K/V via reference.store), scattered block table.
 
-    With key_offset [H, D], keys get that mean added (as real biased keys would) and are stored
-    centred on it.
+    With key_offset [H, D] (or per row [B, H, D]), keys get that mean added (as real biased keys
+    would) and are stored centred on it.
 
     Unwritten slots hold 0xFF bytes (NaN scales), which no visible attention result may touch.
     """
@@ -140,9 +140,10 @@ def fill_cache(layout: BlockLayout, lens: list[int], device=DEVICE, extra_blocks
         slots = table[row].long()[pos // t] * t + pos % t
         k = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=dtype) * 2
         v = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=dtype) + 0.3
-        if key_offset is not None:
-            k = k + key_offset.to(dtype)
-        reference.store(pool, layout, k, v, slots, key_offset=key_offset)
+        offset = key_offset if key_offset is None or key_offset.dim() == 2 else key_offset[row]  # per row: [B, H, D]
+        if offset is not None:
+            k = k + offset.to(dtype)
+        reference.store(pool, layout, k, v, slots, key_offset=offset)
     return pool, table
 
 

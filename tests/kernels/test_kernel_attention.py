@@ -114,6 +114,17 @@ def test_format_options_match_reference(preset, q_len, num_splits):
     _check(layout, [37, 90], q_len, 4, key_offset=mu, sinks=sinks, softcap=6.0, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("preset,q_len,num_splits", [("4bit", 1, 3), ("k3v4", 5, 1)])
+def test_per_row_key_offset_matches_reference(preset, q_len, num_splits):
+    """key_centering with one mean per row [B, H, D] (the cache's, so rows never share a mean)."""
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    mu = torch.randn(3, 2, 64, device=DEVICE) * 3
+    _check(layout, [37, 90, 12], q_len, 4, key_offset=mu, sinks=torch.randn(8, device=DEVICE), softcap=6.0,
+           num_splits=num_splits)
+    with pytest.raises(ValueError, match="key_offset must be"):
+        _check(layout, [37, 90], q_len, 4, key_offset=mu)  # 3 rows of means for 2 rows
+
+
 def test_key_offset_is_not_dropped():
     """Without sinks the q . mu term shifts every score of a row equally; with a sink logit of
     the size of the centred scores, dropping the term moves the output far beyond tolerance."""

@@ -71,6 +71,26 @@ def test_store_format_options_match_reference(preset, head_dim, dtype):
     compare_pools(got, want, layout, key.float() - mu, slots, value=value)
 
 
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "3bit"])
+def test_store_per_row_key_offset_matches_reference(preset):
+    """A per-row mean [R, H, D]: token n is centred on the mean of row n // (N / R)."""
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    rows, per_row = 3, 7
+    key, value, slots = _inputs(rows * per_row, layout, torch.float16)
+    mu = torch.randn(rows, 2, 64, device=DEVICE) * 4
+    key = (key.float() + mu.repeat_interleave(per_row, 0)).to(torch.float16)
+    got = layout.allocate((rows * per_row + 20) // 16 + 1, DEVICE).fill_(0xA5)
+    want = got.clone()
+    store_kv(got, layout, key, value, slots, key_offset=mu)
+    reference.store(want, layout, key, value, slots, key_offset=mu)
+    compare_pools(got, want, layout, key.float() - mu.repeat_interleave(per_row, 0), slots, value=value)
+    shared = layout.allocate((rows * per_row + 20) // 16 + 1, DEVICE).fill_(0xA5)
+    store_kv(shared, layout, key, value, slots, key_offset=mu[0])
+    assert not torch.equal(shared, got), "the rows' own means must change what rows 1 and 2 store"
+    with pytest.raises(ValueError, match="divisible"):
+        store_kv(got, layout, key[:20], value[:20], slots[:20], key_offset=mu)
+
+
 def test_store_non_contiguous_inputs_and_int32_slots():
     layout = make_layout("4bit", 2, 64)
     n = 19

@@ -86,16 +86,21 @@ def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
     return rot.float().contiguous()
 
 
-def check_key_offset(key_offset, layout: BlockLayout, device) -> torch.Tensor | None:
-    """The key_centering mean as a contiguous fp32 [H, D] tensor (None passes through)."""
+def check_key_offset(key_offset, layout: BlockLayout, device, rows: int | None = None) -> tuple[torch.Tensor | None, int]:
+    """(the key_centering mean as contiguous fp32, its row stride): [H, D] shared (stride 0) or
+    [R, H, D] per row (stride H * D). `rows`, when given, is the R a per-row mean must have."""
     if key_offset is None:
-        return None
-    check_tensor("key_offset", key_offset, dim=2, dtypes=ACTIVATION_DTYPES, device=device)
-    expected = (layout.num_kv_heads, layout.head_dim)
-    if tuple(key_offset.shape) != expected:
-        raise ValueError(f"key_offset must be [{expected[0]}, {expected[1]}] (one mean per KV head), "
-                         f"got {list(key_offset.shape)}")
-    return key_offset.float().contiguous()
+        return None, 0
+    check_tensor("key_offset", key_offset, dtypes=ACTIVATION_DTYPES, device=device)
+    heads, dim = layout.num_kv_heads, layout.head_dim
+    shared = tuple(key_offset.shape) == (heads, dim)
+    per_row = key_offset.dim() == 3 and tuple(key_offset.shape[1:]) == (heads, dim) and key_offset.shape[0] > 0
+    if per_row and rows is not None and key_offset.shape[0] != rows:
+        per_row = False
+    if not (shared or per_row):
+        want = f"[{heads}, {dim}] (one mean per KV head) or [{rows if rows is not None else 'rows'}, {heads}, {dim}] (per row)"
+        raise ValueError(f"key_offset must be {want}, got {list(key_offset.shape)}")
+    return key_offset.float().contiguous(), 0 if shared else heads * dim
 
 
 def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None) -> None:

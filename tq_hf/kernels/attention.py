@@ -162,7 +162,7 @@ def _attn_kernel(
     sink_ptr,  # [Hq] float: sink logits, if HAS_SINKS
     rot_ptr,  # [D, D] fp32 rotation R (codebook keys)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids (codebook keys)
-    koff_ptr,  # [Hk, D] fp32 key_centering mean, if HAS_KEY_OFFSET
+    koff_ptr, s_koff,  # fp32 key_centering mean [Hk, D] (s_koff 0) or [B, Hk, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
     pout_ptr,  # [B, Hk, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
     plse_ptr,  # [B, Hk, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
@@ -225,7 +225,7 @@ def _attn_kernel(
     q_row = q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64) * s_qh + qi.to(tl.int64) * s_ql
     q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
-        mu = tl.load(koff_ptr + h * D + dc, mask=dc < D, other=0.0)
+        mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
         q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
     if KEY_BITS == 4:
         rmask = (dc[:, None] < D) & (hc[None, :] < D // 2)
@@ -557,7 +557,8 @@ def unified_attention(
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed pool (see reference.paged_attention).
 
-    key_offset: the key_centering mean [Hk, D] the keys were stored with (keys read as k_hat + mu);
+    key_offset: the key_centering mean the keys were stored with (keys read as k_hat + mu), [Hk, D]
+    shared or [B, Hk, D] per row;
     value_rotation comes from the layout's config (the output is rotated back once per row).
     prefix_keys/prefix_values: [B, Hk, P, D] exact original keys/values (exact_prefix_tokens) read
     instead of the pool at positions kv_start[b] + s, s < P (reference.overlay_prefix).
@@ -574,7 +575,7 @@ def unified_attention(
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
                             sliding_window, softcap)
-    key_offset = check_key_offset(key_offset, layout, pool.device)
+    key_offset, s_koff = check_key_offset(key_offset, layout, pool.device, rows=query.shape[0])
     b, hq, lq, d = query.shape
     prefix_len = _check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
     recent_size = _check_recent(recent_keys, recent_values, recent_from, layout, b, pool.device)
@@ -644,7 +645,7 @@ def unified_attention(
         pool, block_table, block_table.stride(0), seq_lens,
         kv_start if kv_start is not None else dummy,
         sinks if sinks is not None else cent,
-        rot, cent, key_offset if key_offset is not None else cent, vrot, pout, plse,
+        rot, cent, key_offset if key_offset is not None else cent, s_koff, vrot, pout, plse,
         *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
         *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
         lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),

@@ -96,7 +96,7 @@ def _store_kernel(
     rot_ptr,  # [D, D] fp32 key rotation R (rotated = x @ R^T)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids (ascending)
     bnd_ptr,  # [2**KEY_BITS - 1] fp32 decision boundaries
-    koff_ptr,  # [H, D] fp32 key_centering mean, if HAS_KEY_OFFSET
+    koff_ptr, s_koff, tokens_per_row,  # fp32 key_centering mean [H, D] (s_koff 0) or [R, H, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (stored = v @ Rv^T), if VALUE_ROT
     N, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
@@ -125,7 +125,8 @@ def _store_kernel(
     # ---------------- keys ----------------
     x = tl.load(kbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
     if HAS_KEY_OFFSET:
-        x = x - tl.load(koff_ptr + h * D + cols, mask=cols < D, other=0.0)[None, :]
+        krow = (n // tokens_per_row).to(tl.int64) * s_koff + h * D  # token n of row n // tokens_per_row
+        x = x - tl.load(koff_ptr + krow[:, None] + cols[None, :], mask=cmask, other=0.0)
         x = tl.where(cmask, x, 0.0)
     amax = tl.max(tl.abs(x), axis=1)
     nonzero = amax > 0
@@ -197,8 +198,9 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
              key_offset: torch.Tensor | None = None, tuning: dict | None = None) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
 
-    Same contract and bytes as reference.store (key_offset [H, D]: the key_centering mean;
-    value_rotation comes from the layout's config); one kernel launch, no host synchronisation.
+    Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
+    row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config);
+    one kernel launch, no host synchronisation.
     tuning: launch overrides for benchmarks ({"block_t", "num_warps"}).
     """
     check_layout_pool(pool, layout)
@@ -215,8 +217,13 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         raise ValueError(
             f"key, value and slots must agree on N, got {key.shape[0]}, {value.shape[0]}, {slots.shape[0]}"
         )
-    key_offset = check_key_offset(key_offset, layout, pool.device)
+    key_offset, s_koff = check_key_offset(key_offset, layout, pool.device)
     n = key.shape[0]
+    tokens_per_row = max(n, 1)
+    if s_koff:
+        if n % key_offset.shape[0]:
+            raise ValueError(f"a per-row key_offset of {key_offset.shape[0]} rows needs N divisible by it, got N={n}")
+        tokens_per_row = max(n // key_offset.shape[0], 1)
     if n == 0:
         return
     assert (KEY_SCALE, VALUE_SCALE, VALUE_MID) == (0, 1, 2)  # field order used by _store_meta
@@ -239,7 +246,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         slots,
         pool,
         rot, cent, bnd,
-        key_offset if key_offset is not None else cent, vrot,
+        key_offset if key_offset is not None else cent, s_koff, tokens_per_row, vrot,
         n, layout.block_bytes, layout.plane_bytes,
         D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8),
         T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
