@@ -180,6 +180,7 @@ def _attn_kernel(
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
+    EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -260,7 +261,6 @@ def _attn_kernel(
         l_i = tl.where(first, 1.0, l_i)
     acc_a = tl.zeros((BLOCK_M, DHP if VALUE_BITS == 4 else DP), tl.float32)
     acc_b = tl.zeros((BLOCK_M, ACC_B), tl.float32)
-    EXACT_ACC: tl.constexpr = VALUE_ROT and (HAS_PREFIX or HAS_RECENT)  # exact values, unrotated
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
@@ -660,6 +660,7 @@ def unified_attention(
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0),
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps,
     )
