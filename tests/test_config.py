@@ -32,7 +32,9 @@ def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     cfg = TurboQuantConfig()
     assert cfg == TurboQuantConfig.from_preset("4bit")
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
-    assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (False, True, 4, 128)
+    assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (True, True, 4, 128)
+    assert not TurboQuantConfig.from_preset("k8v4").key_centering  # measured without it
+    assert TurboQuantConfig.from_preset("k3v4").key_centering and TurboQuantConfig.from_preset("3bit").key_centering
     assert cfg.full_precision_layers == ()
 
 

@@ -25,12 +25,12 @@ MAX_EXACT_PREFIX = 64  # exact leading tokens per row (a dense side buffer read 
 METADATA_FIELDS = ("key_scale", "value_scale", "value_mid")
 METADATA_FIELD_BYTES = 2
 
-# The fidelity levers' defaults (value rotation, 4 exact leading tokens, a 128-token exact ring, no
-# full-precision layers) were chosen by measurement: eval/results/fidelity/README.md. Key centering
-# stays opt-in: its mean is measured on the first batch, so a row's codes would depend on the
-# other rows of its batch.
+# The fidelity levers' defaults (value rotation, 4 exact leading tokens, a 128-token exact ring,
+# per-row key centering for codebook keys, no full-precision layers) were chosen by measurement:
+# eval/results/fidelity/README.md and eval/results/perplexity_smollm2/key_centering/. FP8 keys
+# (k8v4) keep centering off: that preset was measured without it (+0.04% on SmolLM2).
 PRESETS: dict[str, dict[str, int | bool]] = {
-    "k8v4": {"key_bits": 8, "value_bits": 4},
+    "k8v4": {"key_bits": 8, "value_bits": 4, "key_centering": False},
     "4bit": {"key_bits": 4, "value_bits": 4},
     "k3v4": {"key_bits": 3, "value_bits": 4},
     "3bit": {"key_bits": 3, "value_bits": 3},
@@ -88,7 +88,7 @@ class TurboQuantConfig:
     rotation: str = "hadamard"
     block_size: int = 16
     full_precision_layers: tuple[int, ...] = ()
-    key_centering: bool = False
+    key_centering: bool = True
     value_rotation: bool = True
     exact_prefix_tokens: int = 4
     recent_window: int = 128
