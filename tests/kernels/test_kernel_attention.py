@@ -125,6 +125,14 @@ def test_per_row_key_offset_matches_reference(preset, q_len, num_splits):
         _check(layout, [37, 90], q_len, 4, key_offset=mu)  # 3 rows of means for 2 rows
 
 
+@pytest.mark.parametrize("q_len,num_splits", [(1, 2), (6, 1)])
+def test_three_bit_rotations_at_an_odd_head_dim(q_len, num_splits):
+    """3-bit keys rotate the query, and value_rotation rotates the output, in two column halves
+    (matmul_square); head_dim 96 pads them to 128 columns."""
+    layout = make_layout("3bit", 2, 96, key_centering=True, value_rotation=True)
+    _check(layout, [29, 50], q_len, 3, key_offset=torch.randn(2, 96, device=DEVICE), num_splits=num_splits)
+
+
 def test_key_offset_is_not_dropped():
     """Without sinks the q . mu term shifts every score of a row equally; with a sink logit of
     the size of the centred scores, dropping the term moves the output far beyond tolerance."""

@@ -56,6 +56,7 @@ def _key_mean(layout, device=DEVICE) -> torch.Tensor:
 @pytest.mark.parametrize("preset,head_dim,dtype", [
     ("4bit", 64, torch.float16), ("k8v4", 64, torch.bfloat16), ("k3v4", 64, torch.float32),
     ("3bit", 64, torch.float16), ("k8v4", 96, torch.float32), ("4bit", 96, torch.bfloat16),
+    ("3bit", 96, torch.float32),  # the even/odd column split of the rotation with padded columns
 ])
 def test_store_format_options_match_reference(preset, head_dim, dtype):
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)

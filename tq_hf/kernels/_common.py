@@ -59,6 +59,28 @@ def fp8e4m3_bits(x):
 
 
 # ---- host helpers ----------------------------------------------------------------------------
+@triton.jit
+def matmul_square(x, m_ptr, D: tl.constexpr, DP: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """x [rows, DP] fp32 times the D x D fp32 matrix M at m_ptr (M^T if TRANSPOSED), zero-padded to
+    DP, with 3xTF32. Two dots over the even and the odd output columns, interleaved back: each
+    operand is half of one [DP, DP] fp32 tile, which at head_dim 256 (256 KiB) exceeds an H200's
+    shared memory (Triton 3.6 compile for sm_90a: 262,144 B needed, 232,448 available)."""
+    k = tl.arange(0, DP)
+    n_even = 2 * tl.arange(0, DP // 2)
+    n_odd = n_even + 1
+    m_even = (k[:, None] < D) & (n_even[None, :] < D)
+    m_odd = (k[:, None] < D) & (n_odd[None, :] < D)
+    if TRANSPOSED:  # B[k, n] = M[n, k]
+        b_even = tl.load(m_ptr + n_even[None, :] * D + k[:, None], mask=m_even, other=0.0)
+        b_odd = tl.load(m_ptr + n_odd[None, :] * D + k[:, None], mask=m_odd, other=0.0)
+    else:  # B[k, n] = M[k, n]
+        b_even = tl.load(m_ptr + k[:, None] * D + n_even[None, :], mask=m_even, other=0.0)
+        b_odd = tl.load(m_ptr + k[:, None] * D + n_odd[None, :], mask=m_odd, other=0.0)
+    y_even = tl.dot(x, b_even, input_precision="tf32x3")
+    y_odd = tl.dot(x, b_odd, input_precision="tf32x3")
+    return tl.reshape(tl.join(y_even, y_odd), (x.shape[0], DP))
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

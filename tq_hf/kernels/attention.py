@@ -44,6 +44,7 @@ from ._common import (
     check_layout_pool,
     check_tensor,
     codec_tensors,
+    matmul_square,
     next_pow2,
     store_rounded,
     value_rotation_tensor,
@@ -241,8 +242,7 @@ def _attn_kernel(
     else:
         q_key = q  # the query in the keys' space
         if KEY_BITS == 3:
-            r_t = tl.load(rot_ptr + dc[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
-            q_key = tl.dot(q, r_t, input_precision="tf32x3")
+            q_key = matmul_square(q, rot_ptr, D, DP, True)  # q @ R^T
         qmax = tl.max(tl.abs(q_key), axis=1)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q16 = (q_key / qdiv).to(tl.float16)
@@ -376,8 +376,7 @@ def _attn_kernel(
     else:
         out = acc_a * inv_l[:, None] + bias_out[:, None]
         if VALUE_ROT:
-            rv = tl.load(vrot_ptr + dc[:, None] * D + dc[None, :], mask=(dc[:, None] < D) & (dc[None, :] < D), other=0.0)
-            out = tl.dot(out, rv, input_precision="tf32x3")
+            out = matmul_square(out, vrot_ptr, D, DP, False)  # out @ Rv
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
         store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))

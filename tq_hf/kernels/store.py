@@ -24,6 +24,7 @@ from ._common import (
     check_tensor,
     codec_tensors,
     fp8e4m3_bits,
+    matmul_square,
     next_pow2,
     value_rotation_tensor,
 )
@@ -50,9 +51,7 @@ def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.conste
 @triton.jit
 def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr):
     """x @ R^T (fp32, 3xTF32)."""
-    cols = tl.arange(0, DP)
-    r_t = tl.load(rot_ptr + cols[None, :] * D + cols[:, None], mask=(cols[:, None] < D) & (cols[None, :] < D), other=0.0)
-    return tl.dot(x, r_t, input_precision="tf32x3")
+    return matmul_square(x, rot_ptr, D, DP, True)
 
 
 @triton.jit
