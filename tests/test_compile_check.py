@@ -1,0 +1,36 @@
+"""The kernels compile for the H200 (sm_90a) and fit its shared memory, checked on CPU with the
+installed Triton's ptxas (the interpreter runs no compiler): eval.compile_check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ptxas_available() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+def test_three_bit_keys_at_head_dim_256_fit_an_h200():
+    """3-bit keys at Gemma's head_dim 256 with every lever: the store (which cannot step down) and
+    the decode attention. Before the rotations were split into column halves the store needed
+    262,144 B of the 232,448 an H200 program may use."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "eval.compile_check", "--presets", "3bit", "--head-dims", "256",
+                          "--modes", "decode", "--levers", "on"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0, out
+    lines = [line for line in run.stdout.splitlines() if "shared" in line and "head_dim 256" in line]
+    assert len(lines) == 2 and all(int(line.split("shared ")[1].split(" B")[0]) <= 232448 for line in lines), out
