@@ -414,13 +414,15 @@ def _key_mean(key_states: torch.Tensor, real: torch.Tensor | None = None) -> tor
     float32 maximum overflows, or a NaN/inf sits among the first tokens) a mean taken at a 2**-64
     scale over the finite elements replaces it, so one bad token cannot poison the row's keys.
     """
-    weight = torch.ones(key_states.shape[0], key_states.shape[2], device=key_states.device) if real is None \
-        else real.float()
-    count = weight.sum(-1).clamp_min(1.0)[:, None, None]  # [B, 1, 1]
-    w = weight[:, None, :, None]
     x = key_states.float()
-    mean = torch.where(w > 0, x, 0.0).sum(2) / count
-    scaled = torch.where(w > 0, x.nan_to_num(0.0, 0.0, 0.0) * 2.0**-64, 0.0).sum(2) / count
+    tiny = x.nan_to_num(0.0, 0.0, 0.0) * 2.0**-64
+    if real is None:
+        mean, scaled = x.mean(2), tiny.mean(2)
+    else:
+        keep = real[:, None, :, None]
+        count = real.sum(-1).clamp_min(1)[:, None, None]  # [B, 1, 1]
+        mean = torch.where(keep, x, 0.0).sum(2) / count
+        scaled = torch.where(keep, tiny, 0.0).sum(2) / count
     return torch.where(mean.isfinite(), mean, scaled * 2.0**64)
 
 

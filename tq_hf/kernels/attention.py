@@ -389,8 +389,8 @@ _FITTED: dict[tuple, tuple[int, int, int]] = {}
 
 def _step_downs(block_n: int, num_stages: int, ring_n: int | None) -> list[tuple[int, int, int | None]]:
     """Variants to try, in order: fewer pipeline stages, then shorter KV tiles; with a recent-window
-    ring, each of those with shorter ring tiles too (a 64-row prefill tile with a 64-token ring
-    needs 256 KiB of shared memory at head_dim 128 whatever the KV tile: Triton 3.6, H200)."""
+    ring, each of those with shorter ring tiles too (the ring tile does not shrink with the KV
+    tile: a 64-row prefill tile with a 64-token ring once needed 256 KiB on the H200)."""
     tiles = [(block_n, num_stages), (block_n, 1), (max(16, block_n // 2), 1), (max(16, block_n // 4), 1)]
     rings = [ring_n] if ring_n is None else sorted({ring_n, max(16, ring_n // 2), max(16, ring_n // 4)}, reverse=True)
     out = []
