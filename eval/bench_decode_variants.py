@@ -8,9 +8,13 @@ plain 4-bit format, then key centering + value rotation, the 4 exact leading tok
 eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
 4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
 so the lookup is not what limits decode; that path was removed again.
+lookups (eval/results/decode_lookups/): the unary prmt lookup that Triton decodes in the MMA's
+operand layout (key_lut.py) against the gather, with KV tile lengths and register caps, for the
+plain format and all levers; each output checked against the gather's.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
     python -m eval.bench_decode_variants --sweep levers --out eval/results/decode_levers
+    python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768 --out eval/results/decode_lookups
 """
 
 from __future__ import annotations
@@ -34,6 +38,17 @@ VARIANTS = {  # name -> unified_attention tuning
     "BLOCK_N 64, 4 warps": {"block_n": 64, "num_warps": 4},
 }
 
+LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x KV tile x register cap (maxnreg)
+    "gather, BLOCK_N 256 (before)": {"key_lut": False, "block_n": 256, "maxnreg": None},
+    "prmt, BLOCK_N 256": {"key_lut": True, "block_n": 256, "maxnreg": None},
+    "prmt, BLOCK_N 128": {"key_lut": True, "block_n": 128, "maxnreg": None},
+    "prmt, BLOCK_N 128, maxnreg 168": {"key_lut": True, "block_n": 128, "maxnreg": 168},
+    "prmt, BLOCK_N 128, maxnreg 128": {"key_lut": True, "block_n": 128, "maxnreg": 128},
+    "prmt, BLOCK_N 256, maxnreg 128": {"key_lut": True, "block_n": 256, "maxnreg": 128},
+    "prmt, BLOCK_N 64, maxnreg 128": {"key_lut": True, "block_n": 64, "maxnreg": 128},
+    "launcher defaults": {},
+}
+
 LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
     "plain (no levers)": ({}, 0, 0),
     "+ centering + value rotation": ({"key_centering": True, "value_rotation": True}, 0, 0),
@@ -43,7 +58,7 @@ LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
 }
 
 
-def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str = "cuda"):
+def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str = "cuda", tuning: dict | None = None):
     """(call, pool) for one lever variant: pool of s random tokens plus the exact side buffers."""
     from tq_hf.kernels import unified_attention
 
@@ -62,8 +77,25 @@ def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str =
 
     def call():
         return unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out,
-                                 key_offset=mu, **extra)
+                                 key_offset=mu, tuning=tuning, **extra)
     return call, out
+
+
+def _time_against(call, out, baseline, reps: int, flush):
+    """Run `call` once, compare its `out` with `baseline` (None: this run is the baseline), time it.
+    Returns (ms, max |diff|, baseline)."""
+    call()
+    torch.cuda.synchronize()
+    baseline = out.clone() if baseline is None else baseline
+    diff = float((out.float() - baseline.float()).abs().max())
+    return time_ms(call, reps, True, flush), diff, baseline
+
+
+def _row(b: int, s: int, preset: str, variant: str, tuning: dict, ms: float, diff: float, sdpa: float,
+         cbytes: int, out) -> dict:
+    return {"B": b, "S": s, "preset": preset, "variant": variant, "tuning": tuning, "ms": ms, "sdpa_fp16_ms": sdpa,
+            "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, "max_abs_diff_vs_first": diff,
+            "finite": bool(torch.isfinite(out).all())}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
     ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
-    ap.add_argument("--sweep", choices=["tiles", "levers"], default="tiles")
+    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
     args = ap.parse_args(argv)
@@ -89,6 +121,31 @@ def main(argv: list[str] | None = None) -> None:
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
         sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
         del k, v
+        if args.sweep == "lookups":
+            for lever in ("plain (no levers)", "all (4bit defaults + centering)"):
+                overrides, prefix, ring = LEVERS[lever]
+                options = {"key_centering": False, "value_rotation": False, **overrides}
+                cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
+                                                   **options)
+                layout = BlockLayout(cfg, hk, d)
+                baseline = None
+                torch.manual_seed(0)
+                for name, tuning in LOOKUPS.items():
+                    torch.manual_seed(0)  # the same pool and side buffers for every variant
+                    try:
+                        call, out = _lever_call(q, layout, b, s, prefix, ring, tuning=tuning)
+                        ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
+                    except Exception as exc:  # reported, not fatal
+                        rows.append({"B": b, "S": s, "preset": "4bit", "variant": f"{lever}: {name}",
+                                     "error": f"{type(exc).__name__}: {exc}"[:300]})
+                        print(f"B={b} S={s} {lever}: {name}: {rows[-1]['error']}", flush=True)
+                        continue
+                    rows.append(_row(b, s, "4bit", f"{lever}: {name}", tuning, ms, diff, sdpa,
+                                     b * hk * s * cfg.token_head_bytes(d), out))
+                    print(f"B={b} S={s} {lever}: {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
+                          f"max|diff| {diff:.2e}, finite {rows[-1]['finite']}", flush=True)
+                    torch.cuda.empty_cache()
+            continue
         if args.sweep == "levers":
             for name, (overrides, prefix, ring) in LEVERS.items():
                 options = {"key_centering": False, "value_rotation": False, **overrides}
@@ -118,20 +175,13 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
                                                      tuning=tuning)
-                    call()
-                    torch.cuda.synchronize()
-                    if baseline is None:
-                        baseline = out.clone()
-                    diff = float((out.float() - baseline.float()).abs().max())
-                    ms = time_ms(call, args.reps, True, flush)
+                    ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
                 except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
                     rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
                     print(f"B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
                     continue
                 cbytes = b * hk * s * layout.config.token_head_bytes(d)
-                rows.append({"B": b, "S": s, "preset": preset, "variant": name, "tuning": tuning, "ms": ms,
-                             "sdpa_fp16_ms": sdpa, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6,
-                             "max_abs_diff_vs_first": diff, "finite": bool(torch.isfinite(out).all())})
+                rows.append(_row(b, s, preset, name, tuning, ms, diff, sdpa, cbytes, out))
                 print(f"B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
                       f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
             del pool, table

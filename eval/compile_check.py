@@ -28,7 +28,8 @@ TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch
 
 @contextmanager
 def captured_launches():
-    """Launchers run their GPU heuristics on CPU tensors; launches are recorded, not run."""
+    """Launchers run their GPU heuristics on CPU tensors (inline PTX included); launches are
+    recorded, not run."""
     from tq_hf.kernels import attention, store
 
     seen: dict = {}
@@ -42,17 +43,17 @@ def captured_launches():
                 seen[self.name] = (args, kwargs)
             return record
 
-    saved = (attention._launch, attention._tuned_for_gpu, attention.reduce_splits, store._store_kernel)
+    saved = (attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_splits, store._store_kernel)
 
     def launch(grid, args, constants, block_n, num_stages):
         seen["attention"] = (args, {**constants, "BLOCK_N": block_n, "num_stages": num_stages})
 
-    attention._launch, attention._tuned_for_gpu = launch, lambda device: True
+    attention._launch, attention._tuned_for_gpu, attention._runs_ptx = launch, lambda device: True, lambda device: True
     attention.reduce_splits, store._store_kernel = (lambda *a, **k: None), Recorder("store")
     try:
         yield seen
     finally:
-        attention._launch, attention._tuned_for_gpu, attention.reduce_splits, store._store_kernel = saved
+        attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_splits, store._store_kernel = saved
 
 
 def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
@@ -63,6 +64,8 @@ def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
 
     kwargs = dict(kwargs)
     options = {"num_warps": kwargs.pop("num_warps", 4)}
+    if kwargs.get("maxnreg"):
+        options["maxnreg"] = kwargs.pop("maxnreg")
     if "num_stages" in kwargs:
         options["num_stages"] = kwargs.pop("num_stages")
     signature, constexprs, attrs, values = {}, {}, {}, iter(args)

@@ -21,16 +21,32 @@ def _ptxas_available() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
 
 
+def _compile_check(*args: str) -> tuple[str, str]:
+    """Run eval.compile_check (outside the interpreter); (stdout, stdout + stderr tail), asserting success."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "eval.compile_check", *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    out = run.stdout + run.stderr[-2000:]
+    assert run.returncode == 0, out
+    return run.stdout, out
+
+
 @pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
 def test_three_bit_keys_at_head_dim_256_fit_an_h200():
     """3-bit keys at Gemma's head_dim 256 with every lever: the store (which cannot step down) and
     the decode attention. Before the rotations were split into column halves the store needed
     262,144 B of the 232,448 an H200 program may use."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "eval.compile_check", "--presets", "3bit", "--head-dims", "256",
-                          "--modes", "decode", "--levers", "on"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=600)
-    out = run.stdout + run.stderr[-2000:]
-    assert run.returncode == 0, out
-    lines = [line for line in run.stdout.splitlines() if "shared" in line and "head_dim 256" in line]
+    stdout, out = _compile_check("--presets", "3bit", "--head-dims", "256", "--modes", "decode", "--levers", "on")
+    lines = [line for line in stdout.splitlines() if "shared" in line and "head_dim 256" in line]
     assert len(lines) == 2 and all(int(line.split("shared ")[1].split(" B")[0]) <= 232448 for line in lines), out
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+def test_four_bit_key_lookup_decodes_in_the_mma_operand_layout():
+    """4-bit decode with the prmt lookup compiles for sm_90a, and its shared memory shows that the
+    key tile is decoded in registers: 45,056 B (codes + values staging) where the gather's fp16
+    key tile took 102,400 B (Triton 3.6, H200). Fails if the compiler stops moving the asm into
+    the MMA's operand layout."""
+    stdout, out = _compile_check("--presets", "4bit", "--head-dims", "128", "--modes", "decode", "--levers", "off")
+    line = next(line for line in stdout.splitlines() if line.startswith("attention decode 4bit"))
+    assert int(line.split("shared ")[1].split(" B")[0]) <= 65536, out

@@ -45,7 +45,7 @@ def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefi
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
-    ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
+    ref_kw = {k: v for k, v in kw.items() if k not in ("num_splits", "tuning")}
     want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale, **ref_kw)
     out = torch.full_like(query, float("nan"))
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, **kw)
@@ -356,6 +356,40 @@ def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, hea
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     _check(make_layout("4bit", 2, head_dim), lens, q_len, group)
 
+@pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
+    ("4bit", 16, 1, True, 128, 128),  # 16 x 8 KV heads nearly fill 132 SMs: short tiles, 4 programs per SM
+    ("4bit", 4, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
+    ("4bit", 1, 1, True, 256, None),
+    ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
+    ("k8v4", 16, 1, False, 128, None),  # FP8 keys need no lookup
+    ("k3v4", 16, 1, False, 128, None),  # 3-bit codes are not nibbles
+])
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
+    """What the launcher picks on an H200 (captured, not launched: the interpreter runs no PTX)."""
+    from tq_hf.kernels import attention as attention_kernel
+
+    seen = {}
+    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
+    monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
+    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
+        constants, BLOCK_N=bn))
+    monkeypatch.setattr(attention_kernel, "reduce_splits", lambda *a, **k: None)
+    layout = make_layout(preset, 8, head_dim)
+    pool, table = fill_cache(layout, [64] * batch, "cpu")
+    q = torch.randn(batch, 32, q_len, head_dim)
+    unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
+    if head_dim != 128:  # measured slower at head_dim 64 (9/3/64): the gather and the old tiles
+        lookup, maxnreg = False, None
+        block_n = 256 if preset == "4bit" and q_len == 1 else block_n
+    assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
+    assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
+    forced = {}
+    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: forced.update(constants))
+    unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
+    assert forced["KEY_LUT"] is False
+
+
 def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
     """Capture one unified_attention call in a CUDA graph, let `next_step()` change its inputs in
     place (the next decode step), replay, and compare the output with the reference on the new inputs."""
@@ -378,6 +412,17 @@ def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
 def test_decode_32k_gpu(preset, dtype):
     layout = make_layout(preset, 8, 128)
     _check(layout, [32768, 32768 - 77], 1, 4, dtype=dtype, device="cuda", max_seq_len=32768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
+                                    {"block_n": 64, "maxnreg": 128}])
+def test_decode_key_lookup_variants_gpu(tuning):
+    """16 rows x 8 KV heads (the launcher's short-tile, 128-register branch) and the other variants
+    of 4-bit key decoding against the reference: the prmt lookup, the gather, tile lengths."""
+    layout = make_layout("4bit", 8, 128)
+    lens = [8192 - 37 * i for i in range(16)]
+    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)
 
 
 @pytest.mark.gpu

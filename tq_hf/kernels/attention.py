@@ -7,8 +7,11 @@ KV range of one split. Prefill runs one split per row tile (2-D grid over row ti
 decode uses many splits per sequence and a segment reduction (reduce.py) to fill the GPU.
 
 Per tile the kernel only unpacks codes: the query is rotated once in the prologue
-(q_rot = q @ R^T), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale
-applied per token after the dot; values use P.V = (P * value_scale) . code + P . bias with
+(q_rot = q @ R^T, in steps of RK coordinates to keep the rotation tiles out of the registers the
+walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
+token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
+permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
+layout and the fp16 key tile never goes through shared memory; elsewhere the centroids are gathered; values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
@@ -49,9 +52,11 @@ from ._common import (
     store_rounded,
     value_rotation_tensor,
 )
+from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut_words, lut_asm
 from .reduce import reduce_splits
 
 LOG2E = 1.4426950408889634
+LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
 
 
 @triton.jit
@@ -182,6 +187,8 @@ def _attn_kernel(
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
+    RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
+    KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # 4-bit codebook keys by key_lut.py's asm (else gathered)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -230,11 +237,18 @@ def _attn_kernel(
         mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
         q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
     if KEY_BITS == 4:
-        rmask = (dc[:, None] < D) & (hc[None, :] < D // 2)
-        r_lo = tl.load(rot_ptr + hc[None, :] * D + dc[:, None], mask=rmask, other=0.0)
-        r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + dc[:, None], mask=rmask, other=0.0)
-        q_lo = tl.dot(q, r_lo, input_precision="tf32x3")
-        q_hi = tl.dot(q, r_hi, input_precision="tf32x3")
+        # q @ R^T over RK input coordinates at a time: [RK, D/2] rotation tiles instead of [D, D/2]
+        # ones, which held ~128 registers per thread through the prologue (spilled under maxnreg)
+        q_lo = tl.zeros((BLOCK_M, DHP), tl.float32)
+        q_hi = tl.zeros((BLOCK_M, DHP), tl.float32)
+        for k0 in range(0, D, RK):
+            kk = k0 + tl.arange(0, RK)
+            qc = tl.load(q_row[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+            rmask = (kk[:, None] < D) & (hc[None, :] < D // 2)
+            r_lo = tl.load(rot_ptr + hc[None, :] * D + kk[:, None], mask=rmask, other=0.0)
+            r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + kk[:, None], mask=rmask, other=0.0)
+            q_lo = tl.dot(qc.to(tl.float32), r_lo, q_lo, input_precision="tf32x3")
+            q_hi = tl.dot(qc.to(tl.float32), r_hi, q_hi, input_precision="tf32x3")
         qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
@@ -247,7 +261,7 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q16 = (q_key / qdiv).to(tl.float16)
     row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
-    if KEY_BITS != 8:
+    if KEY_BITS == 3 or (KEY_BITS == 4 and not KEY_LUT):
         nc = tl.arange(0, NC)
         table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
 
@@ -291,11 +305,18 @@ def _attn_kernel(
 
         # scores
         if KEY_BITS == 4:
-            kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
-            k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
-            k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
-            s = tl.dot(q_lo, tl.trans(k_lo))
-            s = tl.dot(q_hi, tl.trans(k_hi), s)
+            if KEY_LUT:  # codes loaded as [D/2, N], the MMA's B operand: decoded in its layout, no transpose
+                kbt = tl.load(plane[None, :] + off[None, :] * KB + hc[:, None], mask=tok_ok[None, :] & (hc[:, None] < D // 2), other=0)
+                kt_lo = tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
+                kt_hi = tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
+                s = tl.dot(q_lo, kt_lo)
+                s = tl.dot(q_hi, kt_hi, s)
+            else:
+                kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
+                k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
+                k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
+                s = tl.dot(q_lo, tl.trans(k_lo))
+                s = tl.dot(q_hi, tl.trans(k_hi), s)
         elif KEY_BITS == 3:
             kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
             k = tl.gather(table, kc, 1)
@@ -338,6 +359,8 @@ def _attn_kernel(
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + h.to(tl.int64) * s_rkh
             v_ring = rv_ptr + b.to(tl.int64) * s_rvb + h.to(tl.int64) * s_rvh
+            # reloaded rather than kept live through the compressed walk (16 registers per thread)
+            q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
             for j0 in range(ring_first, kv_hi, RN):  # at most W positions
                 rpos = j0 + tl.arange(0, RN)
                 r_ok = rpos < kv_hi
@@ -445,6 +468,12 @@ def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
 
 def _tuned_for_gpu(device: torch.device) -> bool:
     """Launch heuristics for a real GPU (the interpreter gets small tiles); patched by tests."""
+    return device.type == "cuda"
+
+
+def _runs_ptx(device: torch.device) -> bool:
+    """Whether launches on `device` compile to PTX (inline asm): not in the interpreter, also when it
+    emulates the GPU's launch choices; patched by eval.compile_check to compile those variants."""
     return device.type == "cuda"
 
 
@@ -569,7 +598,8 @@ def unified_attention(
     max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
-    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages"}).
+    tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
+    "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -591,9 +621,20 @@ def unified_attention(
     dhp = next_pow2(d // 2)
     on_gpu = _tuned_for_gpu(pool.device)
     decode = rows <= 64
-    if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweep (bench --tune)
+    tuning = tuning or {}
+    # 4-bit codebook keys decode by byte permutes (key_lut.py) in decode launches that run PTX, at
+    # head_dim 128: at 64 the lookup measured slower than the gather (H200, 9/3/64: 0.187 vs 0.130 ms
+    # at B=16 S=32k, eval/results/kernels_bench_session4_lookup_d64.md); other head_dims are unmeasured
+    wants_lut = tuning.get("key_lut", d == 128)
+    words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
+    maxnreg = None
+    if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
+        if words and d == 128 and 2 * b * hk * triton.cdiv(rows, block_m) >= _num_sms(pool.device):
+            # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
+            # (H200, B=16 S=32k: 0.41 vs 0.46 ms; at B=1-4 the split walks are too short to gain)
+            block_n, maxnreg = 128, 128
     else:
         block_m = 64 if d == 128 else 32
         block_n = 64 if d <= 128 else 32
@@ -603,9 +644,9 @@ def unified_attention(
         block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
-    tuning = tuning or {}
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
+    maxnreg = tuning.get("maxnreg", maxnreg)
     num_warps = tuning.get("num_warps", 4)
     num_stages = tuning.get("num_stages", 2) if on_gpu else 1
     m_tiles = triton.cdiv(rows, block_m)
@@ -659,9 +700,10 @@ def unified_attention(
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0),
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp),
+        KEY_LUT=words is not None, LUT_LO=lut_asm(words, False) if words else "", LUT_HI=lut_asm(words, True) if words else "",
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
-        num_warps=num_warps,
+        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _launch(grid, args, constants, block_n, num_stages)
     if split:

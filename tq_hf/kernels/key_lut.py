@@ -1,0 +1,102 @@
+"""4-bit codebook keys to fp16 by byte permutes (PTX `prmt`): a lookup Triton treats as elementwise.
+
+Why: `tl.gather` of the centroids is not elementwise for Triton, so the decode kernel unpacked
+the key tile in a blocked layout (a warp shuffle per code) and staged it through shared memory
+as fp16 before the MMA read it back (Nsight Compute, eval/results/gpu_checks/session3/: 255
+registers, 102 KB of shared memory, 12.5% occupancy, issue-bound). Triton moves a *unary, pure*
+inline asm past the layout conversion into the MMA's operand layout (as it does for the values'
+nibble arithmetic), so with this lookup the codes are decoded where the MMA reads them and no
+fp16 key tile touches shared memory (45 KB per program; the H200 sweep in
+eval/results/decode_lookups/: 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
+
+The Lloyd-Max codebook of the (symmetric) rotated-coordinate distribution is symmetric:
+c[15 - n] == -c[n], also after rounding to fp16 (checked here, else `config_lut_words` returns
+None and the kernel gathers). So 8 magnitudes M[i] = c[8 + i] suffice: code n >= 8 is +M[n - 8],
+code n < 8 is -M[7 - n]. The low and the high bytes of the fp16 magnitudes make two 8-byte
+tables, which one `prmt` indexes with 4 codes at once (its selector nibbles are the codes).
+The tables are immediates in the asm text (unary asm takes no table operands): one compiled
+kernel variant per codebook, i.e. per head_dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# $2: 4 code bytes (low nibble: coordinate j of the head's first half, high nibble: j + D/2).
+# $0, $1: fp16 centroids of bytes 0-1 and 2-3: of their low nibbles (sel 0x6240) or high (0x7351).
+# The low- and the high-nibble calls share everything up to the last two permutes; ptxas merges
+# that common part, so 8 codes cost ~20 integer instructions.
+_BODY = """{
+.reg .b32 nb, t, x, idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
+mov.b32 l0, %(l0)d;
+mov.b32 l1, %(l1)d;
+mov.b32 h0, %(h0)d;
+mov.b32 h1, %(h1)d;
+not.b32 nb, $2;
+shr.b32 t, nb, 3;
+and.b32 t, t, 0x11111111;
+mul.lo.u32 x, t, 7;
+xor.b32 idx, $2, x;
+and.b32 idx, idx, 0x77777777;
+prmt.b32 la, l0, l1, idx;
+prmt.b32 ha, h0, h1, idx;
+shr.b32 idx2, idx, 16;
+prmt.b32 lb, l0, l1, idx2;
+prmt.b32 hb, h0, h1, idx2;
+shl.b32 sh, nb, 4;
+prmt.b32 sa, sh, nb, 0xD9C8;
+prmt.b32 sb, sh, nb, 0xFBEA;
+and.b32 sa, sa, 0x80808080;
+or.b32 ha, ha, sa;
+and.b32 sb, sb, 0x80808080;
+or.b32 hb, hb, sb;
+prmt.b32 $0, la, ha, %(sel)s;
+prmt.b32 $1, lb, hb, %(sel)s;
+}"""
+# how the steps work, per nibble n of the 4 code bytes (8 codes):
+#   t = 1 where n < 8 (negative);  idx = (n ^ 7t) & 7 = magnitude index (n - 8, or 7 - n)
+#   la/ha (lb/hb): low/high bytes of M[idx] for nibbles 0-3 (4-7), one byte per nibble
+#   sa/sb: prmt's sign-replicate mode (selector bit 3) turns the msb of ~n (= t) into 0xFF/0x00
+#          per byte; its bit 7 becomes the fp16 sign bit in the high byte
+#   $0/$1: interleave (low byte, high byte) of the wanted nibbles into two fp16x2 words
+
+CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
+
+
+def lut_asm(words: tuple[int, int, int, int], high: bool) -> str:
+    """The asm decoding the low (high=False) or the high nibbles of 4 code bytes with tables `words`."""
+    l0, l1, h0, h1 = words
+    return _BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1, sel="0x7351" if high else "0x6240")
+
+
+def _word(byte_values: list[int]) -> int:
+    """4 bytes as a signed int32 (PTX takes it as a 32-bit immediate either way)."""
+    w = sum(b << (8 * i) for i, b in enumerate(byte_values))
+    return w - (1 << 32) if w >= 1 << 31 else w
+
+
+def lut_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(ML0, ML1, MH0, MH1): low/high bytes of the fp16 magnitudes c[8..15] in two 4-byte words
+    each; None unless the 16 ascending centroids are symmetric and nonzero in fp16."""
+    if centroids.numel() != 16:
+        return None
+    half = centroids.detach().to("cpu", torch.float16)
+    mags = half[8:]
+    if not (torch.equal(half[:8].flip(0), -mags) and bool((mags > 0).all())):
+        return None
+    bits = [int(v) & 0xFFFF for v in mags.view(torch.int16).tolist()]
+    low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+    return _word(low[:4]), _word(low[4:]), _word(high[:4]), _word(high[4:])
+
+
+@functools.lru_cache(maxsize=None)
+def config_lut_words(config, head_dim: int) -> tuple[int, int, int, int] | None:
+    """The tables for this config's 4-bit codebook keys, computed on the CPU once per (config,
+    head_dim) (no device sync in a decode step); None when the lookup does not apply."""
+    from ..codebook import lloyd_max
+
+    if not config.uses_codebook or config.key_bits != 4:
+        return None
+    return lut_words(lloyd_max(head_dim, config.key_bits).centroids)
