@@ -203,11 +203,25 @@ def _fidelity_options(layout, group, device=DEVICE) -> dict:
     ("4bit", 1, 4, False, torch.float16),  # plain 4-bit values: the prefix joins the lo/hi output halves
     ("3bit", 4, 4, False, torch.float32),
 ])
-def test_exact_prefix_decode(preset, group, prefix_len, options, dtype):
+@pytest.mark.parametrize("exact_program", [True, False])
+def test_exact_prefix_decode(preset, group, prefix_len, options, dtype, exact_program):
+    """exact_program: the prefix in a split program of its own (the GPU's choice when programs are to
+    spare) or in split 0's walk."""
     layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, group) if options else {"softcap": 5.0}
     _check(layout, [3, 37, 90], 1, group, dtype=dtype, prefix_len=prefix_len, num_splits=3,
-           kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"exact_program": exact_program}, **kw)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "k3v4"])
+@pytest.mark.parametrize("exact_program", [True, False])
+def test_exact_prefix_and_ring_split_decode(preset, exact_program):
+    """Prefix and ring together on the split path, with sinks (split 0 owns them), the exact tiles in
+    their own program or in the first/last split; one row shorter than the ring."""
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    _check(layout, [9, 70, 133], 1, 4, prefix_len=4, recent=(16, 0), num_splits=4,
+           kv_start=torch.tensor([0, 3, 0], device=DEVICE), tuning={"exact_program": exact_program},
+           **_fidelity_options(layout, 4))
 
 
 # prefill: several row tiles (G * Lq > 64), a first prefill (Lq == S) and a chunk of a longer cache

@@ -18,16 +18,20 @@ every raw score before the softcap; value_rotation multiplies each program's out
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
 are read one 3-byte group (8 codes) at a time.
 exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers of original
-keys/values instead of the pool, and the compressed walk starts after them. Split 0 (the only
-split of a prefill tile) attends over them first, as one dense tile, while its accumulators are
-still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
+keys/values instead of the pool, and the compressed walk starts after them. The exact program
+(below; without splits the row tile's only program) attends over them first, as one dense tile,
+while its accumulators are still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
 into the code accumulators, or under value_rotation into a third accumulator in the original
 space (acc_x), rescaled with the others and added after the epilogue's rotation by Rv.
 recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len - W), come from
 a dense ring of exact keys/values (position j at slot j % W) and win over the prefix and the
 pool there: the compressed walk (split across the splits) ends at ring_lo, the prefix tile drops
-positions >= ring_lo, and the last split (the only one of a prefill tile) then walks the ring
-range in dense tiles of RN tokens, scored and accumulated like the prefix (_exact_tile).
+positions >= ring_lo, and the exact program then walks the ring range in dense tiles of RN
+tokens, scored and accumulated like the prefix (_exact_tile).
+The exact program: in split decode on a GPU with programs to spare, one program more than the
+pool's splits (EXACT_PROG), so the dense tiles run alongside the compressed walks instead of
+after one of them; otherwise split 0 (prefix) and the last split (ring), or without splits the
+row tile's only program.
 """
 
 from __future__ import annotations
@@ -188,13 +192,15 @@ def _attn_kernel(
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
     RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
+    EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # 4-bit codebook keys by key_lut.py's asm (else gathered)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    m_tile = pid // num_splits
-    split = pid % num_splits
+    ns_all = num_splits + EXACT_PROG  # split programs per row tile: the pool's splits (+ the exact one)
+    m_tile = pid // ns_all
+    split = pid % ns_all
 
     # ---- rows of this program: (query i, group member g) pairs --------------------------------
     r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -227,6 +233,10 @@ def _attn_kernel(
     per_split = tl.cdiv(n_tiles, num_splits)
     start = kv_lo + split * per_split * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, pool_hi)
+    if EXACT_PROG:  # the last program attends only the exact prefix and ring, alongside the pool's splits
+        end = tl.where(split == num_splits, start, end)
+    exact_split_first = num_splits if EXACT_PROG else 0  # the split that attends the exact prefix
+    exact_split_last = num_splits if EXACT_PROG else num_splits - 1  # the split that walks the ring
 
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
@@ -281,7 +291,7 @@ def _attn_kernel(
 
     # ---- exact prefix: one dense tile of original keys/values, attended first by split 0 -------
     if HAS_PREFIX:
-        if split == 0:
+        if split == exact_split_first:
             pc = tl.arange(0, PP)
             ppos = kv_first + pc
             p_ok = (pc < prefix_len) & (ppos < pool_hi)  # pool_hi <= seq_len: unfilled entries stay unread
@@ -355,7 +365,7 @@ def _attn_kernel(
 
     # ---- recent window: the last split walks the ring's positions in dense tiles ---------------
     if HAS_RECENT:
-        if split == num_splits - 1:
+        if split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + h.to(tl.int64) * s_rkh
             v_ring = rv_ptr + b.to(tl.int64) * s_rvb + h.to(tl.int64) * s_rvh
@@ -374,7 +384,7 @@ def _attn_kernel(
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = bias_acc * inv_l
     if SPLIT:
-        prow = ((b * tl.num_programs(1) + h) * num_splits + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        prow = ((b * tl.num_programs(1) + h) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
         tl.store(plse_ptr + prow, lse)
         dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
@@ -599,7 +609,8 @@ def unified_attention(
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
     tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
-    "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids)}).
+    "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids),
+    "exact_program" (split decode: attend the exact prefix/ring in a program of their own)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -665,10 +676,17 @@ def unified_attention(
     split = num_splits > 1
     if split and m_tiles != 1:
         raise ValueError("split-KV needs all query rows of a KV head in one tile (G * Lq <= 64)")
+    # split decode with exact prefix/ring buffers, when the GPU has programs to spare: one extra
+    # program attends those dense tiles while the others walk the pool (appended to the first/last
+    # split they made it the slowest). H200, all levers, S=32k: B=1 0.079 -> 0.063 ms; at B=16
+    # (2 x B x Hk >= SMs) the extra programs cost a partial second wave: 0.52 -> 0.60 ms, so not there.
+    exact_prog = bool(tuning.get("exact_program", 2 * b * hk * m_tiles < _num_sms(pool.device))) and split \
+        and (prefix_len > 0 or recent_size > 0)
+    ns_all = num_splits + exact_prog
 
     pout = plse = cent  # placeholders when not splitting
     if split:
-        n_rows = b * hk * num_splits * block_m
+        n_rows = b * hk * ns_all * block_m
         need = n_rows * (dp + 1)
         if workspace is None:
             workspace = split_workspace(pool.device, need)
@@ -678,7 +696,7 @@ def unified_attention(
         plse = workspace[n_rows * dp : need]
 
     dummy = seq_lens
-    grid = (m_tiles * num_splits, hk, b)
+    grid = (m_tiles * ns_all, hk, b)
     args = (
         query, query.stride(0), query.stride(1), query.stride(2),
         out, out.stride(0), out.stride(1), out.stride(2),
@@ -700,12 +718,12 @@ def unified_attention(
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp),
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
         KEY_LUT=words is not None, LUT_LO=lut_asm(words, False) if words else "", LUT_HI=lut_asm(words, True) if words else "",
         HAS_RECENT=recent_size > 0, RN=min(64, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _launch(grid, args, constants, block_n, num_stages)
     if split:
-        reduce_splits(pout, plse, out, b, hk, g, lq, num_splits, block_m, d, dp)
+        reduce_splits(pout, plse, out, b, hk, g, lq, ns_all, block_m, d, dp)
     return out
