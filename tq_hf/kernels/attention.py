@@ -633,6 +633,8 @@ def unified_attention(
     on_gpu = _tuned_for_gpu(pool.device)
     decode = rows <= 64
     tuning = tuning or {}
+    sms = _num_sms(pool.device)
+    batch_fills_gpu = 2 * b * hk >= sms  # one decode program per (row, KV head) would fill half the SMs
     # 4-bit codebook keys decode by byte permutes (key_lut.py) in decode launches that run PTX, at
     # head_dim 128: at 64 the lookup measured slower than the gather (H200, 9/3/64: 0.187 vs 0.130 ms
     # at B=16 S=32k, eval/results/kernels_bench_session4_lookup_d64.md); other head_dims are unmeasured
@@ -642,7 +644,7 @@ def unified_attention(
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
-        if words and d == 128 and 2 * b * hk * triton.cdiv(rows, block_m) >= _num_sms(pool.device):
+        if words and d == 128 and batch_fills_gpu:
             # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
             # (H200, B=16 S=32k: 0.41 vs 0.46 ms; at B=1-4 the split walks are too short to gain)
             block_n, maxnreg = 128, 128
@@ -665,7 +667,6 @@ def unified_attention(
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
     if num_splits is None:
         programs = b * hk * m_tiles
-        sms = _num_sms(pool.device)
         # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split
         # a power of two splits the (power-of-two) tile counts evenly across splits
         waves = 8 if cfg.key_bits == 8 else 3
@@ -680,8 +681,7 @@ def unified_attention(
     # program attends those dense tiles while the others walk the pool (appended to the first/last
     # split they made it the slowest). H200, all levers, S=32k: B=1 0.079 -> 0.063 ms; at B=16
     # (2 x B x Hk >= SMs) the extra programs cost a partial second wave: 0.52 -> 0.60 ms, so not there.
-    exact_prog = bool(tuning.get("exact_program", 2 * b * hk * m_tiles < _num_sms(pool.device))) and split \
-        and (prefix_len > 0 or recent_size > 0)
+    exact_prog = bool(tuning.get("exact_program", not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
 
     pout = plse = cent  # placeholders when not splitting

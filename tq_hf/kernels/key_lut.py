@@ -21,8 +21,12 @@ kernel variant per codebook, i.e. per head_dim.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import TurboQuantConfig
 
 # $2: 4 code bytes (low nibble: coordinate j of the head's first half, high nibble: j + D/2).
 # $0, $1: fp16 centroids of bytes 0-1 and 2-3: of their low nibbles (sel 0x6240) or high (0x7351).
@@ -92,7 +96,7 @@ def lut_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
 
 
 @functools.lru_cache(maxsize=None)
-def config_lut_words(config, head_dim: int) -> tuple[int, int, int, int] | None:
+def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, int, int, int] | None:
     """The tables for this config's 4-bit codebook keys, computed on the CPU once per (config,
     head_dim) (no device sync in a decode step); None when the lookup does not apply."""
     from ..codebook import lloyd_max
