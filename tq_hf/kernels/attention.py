@@ -11,7 +11,8 @@ Per tile the kernel only unpacks codes: the query is rotated once in the prologu
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; elsewhere the centroids are gathered; values use P.V = (P * value_scale) . code + P . bias with
+layout and the fp16 key tile never goes through shared memory; elsewhere the centroids are
+gathered. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
@@ -20,9 +21,10 @@ are read one 3-byte group (8 codes) at a time.
 exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers of original
 keys/values instead of the pool, and the compressed walk starts after them. The exact program
 (below; without splits the row tile's only program) attends over them first, as one dense tile,
-while its accumulators are still empty: scores q . k from the unrotated query (exact keys need no q . mu), values folded
-into the code accumulators, or under value_rotation into a third accumulator in the original
-space (acc_x), rescaled with the others and added after the epilogue's rotation by Rv.
+while its accumulators are still empty: scores q . k from the unrotated query (exact keys need
+no q . mu), values folded into the code accumulators, or under value_rotation into a third
+accumulator in the original space (acc_x), rescaled with the others and added after the
+epilogue's rotation by Rv.
 recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len - W), come from
 a dense ring of exact keys/values (position j at slot j % W) and win over the prefix and the
 pool there: the compressed walk (split across the splits) ends at ring_lo, the prefix tile drops

@@ -69,8 +69,10 @@ prmt.b32 $1, lb, hb, %(sel)s;
 CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
 
 
+@functools.lru_cache(maxsize=None)
 def lut_asm(words: tuple[int, int, int, int], high: bool) -> str:
-    """The asm decoding the low (high=False) or the high nibbles of 4 code bytes with tables `words`."""
+    """The asm decoding the low (high=False) or the high nibbles of 4 code bytes with tables `words`
+    (cached: the launcher asks for it on every decode step)."""
     l0, l1, h0, h1 = words
     return _BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1, sel="0x7351" if high else "0x6240")
 
