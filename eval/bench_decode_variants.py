@@ -8,6 +8,7 @@ plain 4-bit format, then key centering + value rotation, the 4 exact leading tok
 eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
 4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
 so the lookup is not what limits decode; that path was removed again.
+splits: the split count of the split-KV decode with 128/256-token tiles (short walks at small B).
 lookups (eval/results/decode_lookups/): the unary prmt lookup that Triton decodes in the MMA's
 operand layout (key_lut.py) against the gather, with KV tile lengths and register caps, for the
 plain format and all levers; each output checked against the gather's.
@@ -38,6 +39,11 @@ VARIANTS = {  # name -> unified_attention tuning
     "BLOCK_N 64, 4 warps": {"block_n": 64, "num_warps": 4},
 }
 
+SPLITS = {  # name -> split count (unified_attention's num_splits) and tuning: short split walks at small B
+    "launcher defaults": {},
+    **{f"{n} splits, BLOCK_N {bn}": {"num_splits": n, "block_n": bn} for bn in (128, 256) for n in (8, 16, 32, 64, 128)},
+}
+
 LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x KV tile x register cap (maxnreg)
     "gather, BLOCK_N 256 (before)": {"key_lut": False, "block_n": 256, "maxnreg": None},
     "prmt, BLOCK_N 256": {"key_lut": True, "block_n": 256, "maxnreg": None},
@@ -47,6 +53,7 @@ LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x 
     "prmt, BLOCK_N 256, maxnreg 128": {"key_lut": True, "block_n": 256, "maxnreg": 128},
     "prmt, BLOCK_N 64, maxnreg 128": {"key_lut": True, "block_n": 64, "maxnreg": 128},
     "launcher defaults": {},
+    "launcher defaults, value codes as bytes": {"value_words": False},
 }
 
 LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
     ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
-    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups"], default="tiles")
+    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
     args = ap.parse_args(argv)
@@ -170,18 +177,19 @@ def main(argv: list[str] | None = None) -> None:
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None
-            for name, tuning in VARIANTS.items():
+            for name, variant in (SPLITS if args.sweep == "splits" else VARIANTS).items():
                 out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
+                tuning = {k: v for k, v in variant.items() if k != "num_splits"}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
-                                                     tuning=tuning)
+                                                     tuning=tuning, num_splits=variant.get("num_splits"))
                     ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
                 except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
                     rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
                     print(f"B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
                     continue
                 cbytes = b * hk * s * layout.config.token_head_bytes(d)
-                rows.append(_row(b, s, preset, name, tuning, ms, diff, sdpa, cbytes, out))
+                rows.append(_row(b, s, preset, name, variant, ms, diff, sdpa, cbytes, out))
                 print(f"B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
                       f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
             del pool, table

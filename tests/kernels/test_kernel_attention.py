@@ -370,6 +370,20 @@ def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, hea
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     _check(make_layout("4bit", 2, head_dim), lens, q_len, group)
 
+def _capture_gpu_launch(monkeypatch) -> dict:
+    """Make launches on the CPU take an H200's choices (PTX included) and capture, not run, them:
+    the returned dict fills with the kernel's constants and BLOCK_N at the next launch."""
+    from tq_hf.kernels import attention as attention_kernel
+
+    seen = {}
+    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
+    monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
+    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
+        constants, BLOCK_N=bn))
+    monkeypatch.setattr(attention_kernel, "reduce_splits", lambda *a, **k: None)
+    return seen
+
+
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
     ("4bit", 16, 1, True, 128, 128),  # 16 x 8 KV heads nearly fill 132 SMs: short tiles, 4 programs per SM
     ("4bit", 4, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
@@ -381,14 +395,7 @@ def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, hea
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
     """What the launcher picks on an H200 (captured, not launched: the interpreter runs no PTX)."""
-    from tq_hf.kernels import attention as attention_kernel
-
-    seen = {}
-    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
-    monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
-    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
-        constants, BLOCK_N=bn))
-    monkeypatch.setattr(attention_kernel, "reduce_splits", lambda *a, **k: None)
+    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout(preset, 8, head_dim)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
@@ -398,10 +405,31 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
-    forced = {}
-    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: forced.update(constants))
+    # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
+    words = q_len == 1 and head_dim == 128
+    assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
+    seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
-    assert forced["KEY_LUT"] is False
+    assert seen["KEY_LUT"] is False
+
+
+@pytest.mark.parametrize("exact", ["prefix", "recent", None])
+@pytest.mark.parametrize("batch", [16, 1])
+def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
+    """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles at any
+    batch (at B=1 without them 256), the 128-register cap only when the batch fills the GPU."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout("4bit", 8, 128)
+    pool, table = fill_cache(layout, [64] * batch, "cpu")
+    kw = {}
+    if exact == "prefix":
+        kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, batch, 4, torch.float32, "cpu")
+    elif exact == "recent":
+        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, batch, 16, torch.float32, "cpu")
+    unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
+                      max_seq_len=32768, **kw)
+    block_n = 128 if exact or batch == 16 else 256
+    assert (seen["BLOCK_N"], seen.get("maxnreg")) == (block_n, 128 if batch == 16 else None), seen
 
 
 def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
@@ -582,3 +610,17 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
     launches.clear()
     attention_kernel._launch((1, 1, 1), (), ring, 64, 2)
     assert launches == [(32, 1, 16)]
+
+
+# 4-bit values: 16-bit words into 4 accumulators (decode) or bytes into 2 (prefill, small head_dims)
+@pytest.mark.parametrize("value_words", [True, False])
+@pytest.mark.parametrize("preset,options", [("4bit", True), ("k8v4", False), ("k3v4", True)])
+def test_decode_value_paths(value_words, preset, options):
+    """Both 4-bit value paths against the reference in one decode launch shape, with the exact
+    prefix and ring (their values join the code accumulators in each path's scale) and value_rotation
+    (the epilogue rotates each accumulator's coordinates back)."""
+    layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {}
+    _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
+           num_splits=3, tuning={"value_words": value_words}, **kw)
+    _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)

@@ -1,0 +1,34 @@
+"""The PTX that decodes 4-bit value codes from 16-bit words (tq_hf.kernels.value_nibbles), run
+through the PTX emulator on every 16-bit word: the CPU interpreter runs no PTX."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS
+
+from ptx_emulator import run
+
+
+def test_every_word_becomes_its_four_nibbles_as_fp16_subnormals():
+    """Each 16-bit half of the input register (one token's code bytes 2k, 2k + 1) gives, in the same
+    half of outputs $0..$3, the fp16 value x * 2**-24 of: byte 2k's low nibble, 16 x its high
+    nibble, byte 2k + 1's low nibble, 16 x its high nibble (exact, as numpy reads the fp16 bits)."""
+    assert CONSTRAINTS == "=r,=r,=r,=r,r"
+    words = np.arange(1 << 16, dtype=np.uint32)
+    other = (words * 40503 + 12345) & 0xFFFF  # the register's other half: a different word each time
+    for low_half in (True, False):
+        regs = (words | (other << 16)) if low_half else (other | (words << 16))
+        outs = {j: np.empty(len(words), np.uint32) for j in range(4)}
+        for i, r in enumerate(regs.tolist()):
+            got = run(ASM, {4: r})
+            for j in range(4):
+                outs[j][i] = got[j]
+        b0, b1 = words & 0xFF, words >> 8
+        want = [b0 & 15, (b0 >> 4) * 16, b1 & 15, (b1 >> 4) * 16]
+        for j in range(4):
+            half = (outs[j] & 0xFFFF) if low_half else (outs[j] >> 16)
+            values = half.astype(np.uint16).view(np.float16).astype(np.float64)
+            bad = np.nonzero(values != want[j] * 2.0 ** -24)[0]
+            assert bad.size == 0, (f"output ${j}, {'low' if low_half else 'high'} half: word {int(words[bad[0]]):#06x} "
+                                   f"-> {values[bad[0]]!r}, want {want[j][bad[0]] * 2.0 ** -24!r} ({bad.size} wrong)")
