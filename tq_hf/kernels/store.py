@@ -1,10 +1,11 @@
 """Fused store: quantize new keys/values and write them into their cache slots, one launch.
 
-Each program takes BLOCK_T tokens of one KV head: keys (minus the key_centering mean, if any)
-are rotated by one tensor-core matmul (3xTF32, so codes match reference.py's fp32 rotation),
-bucketed against the codebook boundaries, norm corrected and packed; values (rotated the same
-way under value_rotation) get their midpoint/scale and packed codes; the three bfloat16
-metadata fields are rounded with reference.py's exact rules using integer bit operations.
+Each program takes BLOCK_T tokens of one KV head, their keys or their values: keys (minus the
+key_centering mean, if any) are rotated by one tensor-core matmul (3xTF32, so codes match
+reference.py's fp32 rotation), bucketed against the codebook boundaries, norm corrected and
+packed; values (rotated the same way under value_rotation) get their midpoint/scale and packed
+codes; the three bfloat16 metadata fields are rounded with reference.py's exact rules using
+integer bit operations.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def _store_kernel(
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)  # 0: the keys, 1: the values (independent: a decode step's few tokens
+    # then run on twice the programs, each half the serial work)
     n = pid_n * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + n, mask=n < N, other=-1)
     ok = slot >= 0
@@ -121,76 +124,77 @@ def _store_kernel(
     hmask = ok[:, None] & (hc[None, :] < D // 2)
     gmask = ok[:, None] & (g[None, :] < D // 8)
 
-    # ---------------- keys ----------------
-    x = tl.load(kbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-    if HAS_KEY_OFFSET:
-        krow = (n // tokens_per_row).to(tl.int64) * s_koff + h * D  # token n of row n // tokens_per_row
-        x = x - tl.load(koff_ptr + krow[:, None] + cols[None, :], mask=cmask, other=0.0)
-        x = tl.where(cmask, x, 0.0)
-    amax = tl.max(tl.abs(x), axis=1)
-    nonzero = amax > 0
-    if KEY_BITS == 8:
-        scale = tl.where(nonzero, bf16_bits_to_f32(bf16_up_bits(tl.math.div_rn(amax, 448.0))), 0.0)
-        scaled = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
-        codes = fp8e4m3_bits(scaled)
-        tl.store(plane[:, None] + off[:, None] * KB + cols[None, :], codes.to(tl.uint8), mask=cmask)
-        kscale_bits = bf16_rne_bits(scale)
-    else:
-        NC: tl.constexpr = 1 << KEY_BITS
-        u = tl.math.div_rn(x, tl.where(nonzero, amax, 1.0)[:, None])
-        rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
-        inv = tl.where(nonzero, rms_u, 1.0)[:, None]
-        if KEY_BITS == 4:
-            y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP)
-            c_lo, v_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC - 1)
-            c_hi, v_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, cent_ptr, NC - 1)
-            csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
-            tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
-        else:  # 3-bit: a little-endian bit stream, 8 codes -> 3 bytes
-            code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
-            csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
-            _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
-        scale = amax * rms_u
-        if NORM_CORRECTION:
-            scale = tl.math.div_rn(scale, tl.sqrt_rn(tl.math.div_rn(csum, D * 1.0)))
-        kscale_bits = bf16_rne_bits(scale)
-    _store_meta(plane, 0, off, T, META, kscale_bits, ok)
-
-    # ---------------- values ----------------
-    LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
-    HALF: tl.constexpr = LEVELS / 2
-    if VALUE_BITS == 4:
-        if VALUE_ROT:
-            xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-            x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP)
+    if part == 0:
+        # ---------------- keys ----------------
+        x = tl.load(kbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+        if HAS_KEY_OFFSET:
+            krow = (n // tokens_per_row).to(tl.int64) * s_koff + h * D  # token n of row n // tokens_per_row
+            x = x - tl.load(koff_ptr + krow[:, None] + cols[None, :], mask=cmask, other=0.0)
+            x = tl.where(cmask, x, 0.0)
+        amax = tl.max(tl.abs(x), axis=1)
+        nonzero = amax > 0
+        if KEY_BITS == 8:
+            scale = tl.where(nonzero, bf16_bits_to_f32(bf16_up_bits(tl.math.div_rn(amax, 448.0))), 0.0)
+            scaled = tl.math.div_rn(x, tl.where(scale > 0, scale, 1.0)[:, None])
+            codes = fp8e4m3_bits(scaled)
+            tl.store(plane[:, None] + off[:, None] * KB + cols[None, :], codes.to(tl.uint8), mask=cmask)
+            kscale_bits = bf16_rne_bits(scale)
         else:
-            x_lo = tl.load(vbase[:, None] + hc[None, :], mask=hmask, other=0.0).to(tl.float32)
-            x_hi = tl.load(vbase[:, None] + hc[None, :] + D // 2, mask=hmask, other=0.0).to(tl.float32)
-        vmax = tl.maximum(tl.max(tl.where(hmask, x_lo, -float("inf")), axis=1), tl.max(tl.where(hmask, x_hi, -float("inf")), axis=1))
-        vmin = tl.minimum(tl.min(tl.where(hmask, x_lo, float("inf")), axis=1), tl.min(tl.where(hmask, x_hi, float("inf")), axis=1))
+            NC: tl.constexpr = 1 << KEY_BITS
+            u = tl.math.div_rn(x, tl.where(nonzero, amax, 1.0)[:, None])
+            rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
+            inv = tl.where(nonzero, rms_u, 1.0)[:, None]
+            if KEY_BITS == 4:
+                y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP)
+                c_lo, v_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC - 1)
+                c_hi, v_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, cent_ptr, NC - 1)
+                csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
+                tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
+            else:  # 3-bit: a little-endian bit stream, 8 codes -> 3 bytes
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+                csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
+                _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
+            scale = amax * rms_u
+            if NORM_CORRECTION:
+                scale = tl.math.div_rn(scale, tl.sqrt_rn(tl.math.div_rn(csum, D * 1.0)))
+            kscale_bits = bf16_rne_bits(scale)
+        _store_meta(plane, 0, off, T, META, kscale_bits, ok)
     else:
-        xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-        if VALUE_ROT:
-            xv = _rotate(xv, vrot_ptr, D, DP)
-        vmax = tl.max(tl.where(cmask, xv, -float("inf")), axis=1)
-        vmin = tl.min(tl.where(cmask, xv, float("inf")), axis=1)
-    vmax = tl.where(ok, vmax, 0.0)
-    vmin = tl.where(ok, vmin, 0.0)
-    mid_bits = bf16_rne_bits(vmax * 0.5 + vmin * 0.5)
-    mid = bf16_bits_to_f32(mid_bits)
-    half_range = tl.maximum(vmax - mid, mid - vmin)
-    vscale_bits = bf16_up_bits(tl.math.div_rn(half_range, HALF))
-    vscale = bf16_bits_to_f32(vscale_bits)
-    div = tl.where(vscale > 0, vscale, 1.0)
-    if VALUE_BITS == 4:
-        q_lo = _value_codes(x_lo, mid, div, HALF, LEVELS)
-        q_hi = _value_codes(x_hi, mid, div, HALF, LEVELS)
-        tl.store(plane[:, None] + T * KB + off[:, None] * VB + hc[None, :], (q_lo | (q_hi << 4)).to(tl.uint8), mask=hmask)
-    else:
-        q = _value_codes(xv, mid, div, HALF, LEVELS)
-        _store3(plane[:, None] + T * KB + off[:, None] * VB + 3 * g[None, :], q, gmask, BLOCK_T, GP)
-    _store_meta(plane, 1, off, T, META, vscale_bits, ok)
-    _store_meta(plane, 2, off, T, META, mid_bits, ok)
+        # ---------------- values ----------------
+        LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
+        HALF: tl.constexpr = LEVELS / 2
+        if VALUE_BITS == 4:
+            if VALUE_ROT:
+                xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+                x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP)
+            else:
+                x_lo = tl.load(vbase[:, None] + hc[None, :], mask=hmask, other=0.0).to(tl.float32)
+                x_hi = tl.load(vbase[:, None] + hc[None, :] + D // 2, mask=hmask, other=0.0).to(tl.float32)
+            vmax = tl.maximum(tl.max(tl.where(hmask, x_lo, -float("inf")), axis=1), tl.max(tl.where(hmask, x_hi, -float("inf")), axis=1))
+            vmin = tl.minimum(tl.min(tl.where(hmask, x_lo, float("inf")), axis=1), tl.min(tl.where(hmask, x_hi, float("inf")), axis=1))
+        else:
+            xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
+            if VALUE_ROT:
+                xv = _rotate(xv, vrot_ptr, D, DP)
+            vmax = tl.max(tl.where(cmask, xv, -float("inf")), axis=1)
+            vmin = tl.min(tl.where(cmask, xv, float("inf")), axis=1)
+        vmax = tl.where(ok, vmax, 0.0)
+        vmin = tl.where(ok, vmin, 0.0)
+        mid_bits = bf16_rne_bits(vmax * 0.5 + vmin * 0.5)
+        mid = bf16_bits_to_f32(mid_bits)
+        half_range = tl.maximum(vmax - mid, mid - vmin)
+        vscale_bits = bf16_up_bits(tl.math.div_rn(half_range, HALF))
+        vscale = bf16_bits_to_f32(vscale_bits)
+        div = tl.where(vscale > 0, vscale, 1.0)
+        if VALUE_BITS == 4:
+            q_lo = _value_codes(x_lo, mid, div, HALF, LEVELS)
+            q_hi = _value_codes(x_hi, mid, div, HALF, LEVELS)
+            tl.store(plane[:, None] + T * KB + off[:, None] * VB + hc[None, :], (q_lo | (q_hi << 4)).to(tl.uint8), mask=hmask)
+        else:
+            q = _value_codes(xv, mid, div, HALF, LEVELS)
+            _store3(plane[:, None] + T * KB + off[:, None] * VB + 3 * g[None, :], q, gmask, BLOCK_T, GP)
+        _store_meta(plane, 1, off, T, META, vscale_bits, ok)
+        _store_meta(plane, 2, off, T, META, mid_bits, ok)
 
 
 def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
@@ -238,7 +242,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     tuning = tuning or {}
     block_t = tuning.get("block_t", block_t)
     num_warps = tuning.get("num_warps", num_warps)
-    grid = (triton.cdiv(n, block_t), layout.num_kv_heads)
+    grid = (triton.cdiv(n, block_t), layout.num_kv_heads, 2)
     _store_kernel[grid](
         key, key.stride(0), key.stride(1),
         value, value.stride(0), value.stride(1),
