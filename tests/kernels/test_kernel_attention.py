@@ -432,6 +432,20 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     assert (seen["BLOCK_N"], seen.get("maxnreg")) == (block_n, 128 if batch == 16 else None), seen
 
 
+def test_gpu_value_words_refused_where_unverified(monkeypatch):
+    """Forcing the 16-bit value words onto a 64-row (wgmma) tile is refused with the reason; a decode
+    tile takes them."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout("4bit", 2, 128)
+    pool, table = fill_cache(layout, [40], "cpu")
+    with pytest.raises(ValueError, match="value_words=True needs row tiles of <= 32 rows"):
+        unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                          tuning={"value_words": True})
+    unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                      tuning={"value_words": True})
+    assert seen["VALUE_WORDS"] is True
+
+
 def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
     """Capture one unified_attention call in a CUDA graph, let `next_step()` change its inputs in
     place (the next decode step), replay, and compare the output with the reference on the new inputs."""

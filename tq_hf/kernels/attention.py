@@ -827,6 +827,9 @@ def unified_attention(
     # (D/4 >= 8 x warps; at head_dim 64 the words measured 2.1x slower than the bytes, H200)
     value_words = decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
     value_words = bool(tuning.get("value_words", value_words))
+    if value_words and on_gpu and (block_m > 32 or d // 4 < 16):
+        raise ValueError(f"tuning value_words=True needs row tiles of <= 32 rows and head_dim >= 64 on a GPU, got "
+                         f"block_m {block_m}, head_dim {d} (64-row tiles computed wrong results on an H200)")
     num_stages = tuning.get("num_stages", 2) if on_gpu else 1
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
