@@ -8,16 +8,15 @@ plain 4-bit format, then key centering + value rotation, the 4 exact leading tok
 eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
 4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
 so the lookup is not what limits decode; that path was removed again.
+decode_tokens/ holds the run of commit 8391197, whose walk could put the tile's tokens on the MMA's M side in
+one-warp programs (tuning tokens_on_m): no faster at B=16 S=32k, slower at B=1 and with the levers; removed again.
 splits: the split count of the split-KV decode with 128/256-token tiles (short walks at small B).
-tokens: the walk with the tile's tokens on the MMA's M side in one-warp programs (tuning tokens_on_m), by
-KV tile, register cap and split count, next to the launcher's defaults.
 lookups (eval/results/decode_lookups/): the unary prmt lookup that Triton decodes in the MMA's
 operand layout (key_lut.py) against the gather, with KV tile lengths and register caps, for the
 plain format and all levers; each output checked against the gather's.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
     python -m eval.bench_decode_variants --sweep levers --out eval/results/decode_levers
-    python -m eval.bench_decode_variants --sweep tokens --out eval/results/decode_tokens
     python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768 --out eval/results/decode_lookups
 """
 
@@ -57,17 +56,6 @@ LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x 
     "prmt, BLOCK_N 64, maxnreg 128": {"key_lut": True, "block_n": 64, "maxnreg": 128},
     "launcher defaults": {},
     "launcher defaults, value codes as bytes": {"value_words": False},
-    "tokens on M, BLOCK_N 32": {"tokens_on_m": True, "block_n": 32},
-    "tokens on M, BLOCK_N 64": {"tokens_on_m": True, "block_n": 64},
-}
-
-TOKENS = {  # name -> split count and tuning: the walk with tokens on the MMA's M side in one-warp programs
-    "launcher defaults": {},
-    **{f"tokens on M, BLOCK_N {bn}": {"tokens_on_m": True, "block_n": bn} for bn in (16, 32, 64)},
-    "tokens on M, BLOCK_N 32, maxnreg 168": {"tokens_on_m": True, "block_n": 32, "maxnreg": 168},
-    "tokens on M, BLOCK_N 32, maxnreg 128": {"tokens_on_m": True, "block_n": 32, "maxnreg": 128},
-    **{f"tokens on M, BLOCK_N 32, {n} splits": {"tokens_on_m": True, "block_n": 32, "num_splits": n}
-       for n in (4, 8, 16, 32, 64, 128)},
 }
 
 LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
@@ -124,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
     ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
-    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits", "tokens"], default="tiles")
+    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
     args = ap.parse_args(argv)
@@ -191,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None
-            for name, variant in {"splits": SPLITS, "tokens": TOKENS}.get(args.sweep, VARIANTS).items():
+            for name, variant in (SPLITS if args.sweep == "splits" else VARIANTS).items():
                 out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
                 tuning = {k: v for k, v in variant.items() if k != "num_splits"}
                 try:

@@ -472,8 +472,7 @@ def test_decode_32k_gpu(preset, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
-                                    {"block_n": 64, "maxnreg": 128}, {"tokens_on_m": True},
-                                    {"tokens_on_m": True, "block_n": 64}, {"tokens_on_m": True, "key_lut": False}])
+                                    {"block_n": 64, "maxnreg": 128}])
 def test_decode_key_lookup_variants_gpu(tuning):
     """16 rows x 8 KV heads (the launcher's short-tile, 128-register branch) and the other variants
     of 4-bit key decoding against the reference: the prmt lookup, the gather, tile lengths."""
@@ -639,34 +638,3 @@ def test_decode_value_paths(value_words, preset, options):
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
            num_splits=3, tuning={"value_words": value_words}, **kw)
     _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)
-
-
-# ---- the walk with tokens on the MMA's M side (tuning tokens_on_m: one-warp decode programs) ----------
-@pytest.mark.parametrize("head_dim,value_words", [(32, False), (64, True), (64, False)])
-@pytest.mark.parametrize("options", [False, True])
-def test_tokens_on_m_decode(head_dim, value_words, options):
-    """The transposed walk (_pool_tile_t) against the reference: GQA 4, split and unsplit, left padding,
-    two queries per row (8 rows on N), with and without the format levers (key centering, value rotation,
-    the exact prefix and ring, which the exact program adds after the transposed accumulators turn back)."""
-    layout = make_layout("4bit", 2, head_dim, key_centering=options, value_rotation=options)
-    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    tuning = {"tokens_on_m": True, "value_words": value_words}
-    _check(layout, [70, 33], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
-    _check(layout, [70, 33], 2, 4, tuning=tuning, **kw)
-    if options:
-        _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
-               num_splits=3, tuning=tuning, **kw)
-
-
-@pytest.mark.parametrize("group,q_len", [(1, 1), (3, 2), (8, 1)])
-def test_tokens_on_m_groups_window_and_sinks(group, q_len):
-    layout = make_layout("4bit", 2, 32)
-    sinks = torch.randn(2 * group, device=DEVICE)
-    _check(layout, [37, 90], q_len, group, sliding_window=20, sinks=sinks, num_splits=3, tuning={"tokens_on_m": True})
-    _check(layout, [5, 41], q_len, group, tuning={"tokens_on_m": True})
-
-
-def test_tokens_on_m_refused_outside_its_paths():
-    for preset, q_len in (("k8v4", 1), ("k3v4", 1), ("4bit", 40)):
-        with pytest.raises(ValueError, match="tokens_on_m=True needs a decode launch"):
-            _check(make_layout(preset, 2, 32), [20, 30], q_len, 4, tuning={"tokens_on_m": True})

@@ -315,86 +315,6 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 
 
-@triton.jit
-def _pool_tile_t(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                 bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, table, row_scale, row_off, q_mu,
-                 hc, vcol, HALF: tl.constexpr, V_N: tl.constexpr,
-                 D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                 META: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
-                 KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, VALUE_WORDS: tl.constexpr,
-                 VALUE_PTX: tl.constexpr, MASKED: tl.constexpr):
-    """_pool_tile with the tile's tokens on the MMA's M side (TOK_M; 4-bit keys and values): scores
-    [BLOCK_N, rows] = key tile . q^T, accumulators acc_j^T [columns, rows] += code_j^T . (p * scale).
-    The rows (G query heads of one decode position, padded to 8) sit on N instead of 16 padded M
-    rows: half the MMAs and half the softmax elements of _pool_tile, and in single-warp programs
-    the reductions over the tile's tokens stay inside the warp (no barriers)."""
-    tok = t0 + tl.arange(0, BLOCK_N)
-    if MASKED:
-        tok_ok = tok < end
-        if HAS_KV_START or HAS_PREFIX:
-            tok_ok = tok_ok & (tok >= pool_first)
-    else:
-        tok_ok = tl.full((BLOCK_N,), True, tl.int1)
-    blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(tl.int64)
-    off = tok % T
-    plane = pool_ptr + blk * block_bytes + head_off
-
-    kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
-    if KEY_LUT:
-        k_lo = tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [kb], dtype=tl.float16, is_pure=True, pack=4)
-        k_hi = tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [kb], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
-        k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
-    s = tl.dot(k_lo, q_lo)
-    s = tl.dot(k_hi, q_hi, s)  # [BLOCK_N, BLOCK_M]
-    k_scale = _load_meta(plane, 0, off, T, META, tok_ok)
-    if MASKED:
-        vis = tok_ok[:, None] & (tok[:, None] <= qpos[None, :])
-        if HAS_WINDOW:
-            vis = vis & (tok[:, None] > qpos[None, :] - window)
-    else:
-        vis = tl.full((BLOCK_N, BLOCK_M), True, tl.int1)
-    if not HAS_SOFTCAP:
-        x = tl.where(vis, s * k_scale[:, None], -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(x, axis=0) * row_scale + row_off)
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp2(x * row_scale[None, :] + (row_off - m_use)[None, :])
-    else:
-        s = s * row_scale[None, :] * k_scale[:, None]
-        if HAS_KEY_OFFSET:
-            s = s + q_mu[None, :]
-        x = tl.where(vis, _log2_logits(s, softcap, HAS_SOFTCAP), -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(x, axis=0))
-        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp2(x - m_use[None, :])
-    alpha = tl.exp2(m_i - m_use)
-    m_i = m_new
-
-    v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
-    v_mid = _load_meta(plane, 2, off, T, META, tok_ok)
-    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[:, None]), 0, _add_pairs)
-    l_i = l_i * alpha + sum_p
-    bias_acc = bias_acc * alpha + sum_pb
-
-    ps = (p * v_scale[:, None]).to(tl.float16)
-    if VALUE_WORDS:
-        v_row = (plane[:, None] + T * KB + off[:, None] * VB).to(tl.pointer_type(tl.uint16))
-        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
-        v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
-        acc0 = tl.dot(tl.trans(v0), ps, acc0 * alpha[None, :])
-        acc1 = tl.dot(tl.trans(v1), ps, acc1 * alpha[None, :])
-        acc2 = tl.dot(tl.trans(v2), ps, acc2 * alpha[None, :])
-        acc3 = tl.dot(tl.trans(v3), ps, acc3 * alpha[None, :])
-    else:
-        vb = tl.load(plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
-        acc0 = tl.dot(tl.trans(_nibbles_to_f16(vb, False)), ps, acc0 * alpha[None, :])
-        acc1 = tl.dot(tl.trans(_nibbles_to_f16(vb, True)), ps, acc1 * alpha[None, :])
-    return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
-
-
 # Runtime ints that vary step to step are not specialized (one compiled variant serves every chunk
 # length and split count: a server would otherwise pay a compile for each new value class).
 @triton.jit(do_not_specialize=["recent_from", "Lq", "num_splits", "prefix_len"])
@@ -432,7 +352,6 @@ def _attn_kernel(
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # 4-bit codebook keys by key_lut.py's asm (else gathered)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS decoded by value_nibbles.py's asm (else Triton integer ops)
-    TOK_M: tl.constexpr,  # the compressed walk with tokens on the MMA's M side (_pool_tile_t; 4-bit keys and values)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -537,18 +456,10 @@ def _attn_kernel(
         l_i = tl.where(first, 1.0, l_i)
     # 4-bit values: acc_j accumulates coordinates _value_col(vcol, j) (4 accumulators from words, 2 from
     # bytes) in the codes' fp16 scale (words: x 2**-24, odd j 2**-20; bytes: odd j 16 x); 3-bit: acc0 all D
-    if TOK_M:  # transposed through the walk: [columns, rows]
-        acc0 = tl.zeros((VW, BLOCK_M), tl.float32)
-        acc1 = tl.zeros((VW, BLOCK_M), tl.float32)
-        acc2 = tl.zeros((VW if VALUE_WORDS else 16, BLOCK_M), tl.float32)
-        acc3 = tl.zeros((VW if VALUE_WORDS else 16, BLOCK_M), tl.float32)
-        q_lo = tl.trans(q_lo)
-        q_hi = tl.trans(q_hi)
-    else:
-        acc0 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else DP), tl.float32)
-        acc1 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else 16), tl.float32)
-        acc2 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
-        acc3 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else DP), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else 16), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
@@ -568,38 +479,18 @@ def _attn_kernel(
         body_end = head_end + tl.maximum(tl.minimum(end, qpos_lo + 1) - head_end, 0) // BLOCK_N * BLOCK_N
     n_head = tl.cdiv(head_end - start, BLOCK_N)  # 0 or 1
     for t0 in range(head_end, body_end, BLOCK_N):
-        if TOK_M:
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile_t(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, table, row_scale, row_off, q_mu, hc, vcol,
-                HALF, V_N, D, T, KB, VB, META, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, False)
-        else:
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
-                HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, False)
+        m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+            t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
-        if TOK_M:
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile_t(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, table, row_scale, row_off, q_mu, hc, vcol,
-                HALF, V_N, D, T, KB, VB, META, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, True)
-        else:
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
-                HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, True)
-
-    if TOK_M:  # back to [rows, columns] for the exact tiles and the epilogue
-        acc0 = tl.trans(acc0)
-        acc1 = tl.trans(acc1)
-        acc2 = tl.trans(acc2)
-        acc3 = tl.trans(acc3)
+        m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+            t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -874,8 +765,7 @@ def unified_attention(
     tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
     "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids),
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
-    "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
-    "tokens_on_m" (decode: the walk with the tile's tokens on the MMA's M side, one warp per program)}).
+    "exact_program" (split decode: attend the exact prefix/ring in a program of their own)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -925,21 +815,12 @@ def unified_attention(
         # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
-    # tokens on the MMA's M side (_pool_tile_t): decode of 4-bit codebook keys and 4-bit values, one warp per
-    # program, the rows padded to 8 on N (instead of 16 on M)
-    tok_m_ok = decode and cfg.uses_codebook and cfg.key_bits == 4 and cfg.value_bits == 4
-    tok_m = bool(tuning.get("tokens_on_m", False))
-    if tok_m and not tok_m_ok:
-        raise ValueError(f"tuning tokens_on_m=True needs a decode launch (G * Lq <= 64) with 4-bit codebook keys and "
-                         f"4-bit values, got {g * lq} rows, key_bits {cfg.key_bits}, value_bits {cfg.value_bits}")
-    if tok_m:
-        block_m, block_n, maxnreg = max(8, next_pow2(rows)), 64, None
     if not on_gpu:
         block_n = 16 if decode else 32
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
-    num_warps = tuning.get("num_warps", 1 if tok_m else 4)
+    num_warps = tuning.get("num_warps", 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register, decoded as fp16 subnormals):
     # decode tiles of <= 32 rows only (the mma.sync path: the GPU tests of 2026-11-30 failed for
     # 64-row wgmma tiles), and on a GPU only where every warp gets a column tile of its own
@@ -958,8 +839,6 @@ def unified_attention(
         # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split
         # a power of two splits the (power-of-two) tile counts evenly across splits
         waves = 8 if cfg.key_bits == 8 else 3
-        if tok_m:  # one-warp programs: ~12 fit an SM (168-182 registers per thread at BLOCK_N 32, sm_90a)
-            waves = 12
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
         num_splits = 1 if programs >= sms or m_tiles > 1 else 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
@@ -1008,9 +887,9 @@ def unified_attention(
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32 if num_warps >= 4 else 16, dp), EXACT_PROG=exact_prog,
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
         VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None, LUT_LO=lut_asm(words, False) if words else "", LUT_HI=lut_asm(words, True) if words else "",
-        TOK_M=tok_m, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _launch(grid, args, constants, block_n, num_stages)
