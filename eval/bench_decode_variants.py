@@ -67,7 +67,8 @@ LEVERS = {  # name -> (config overrides, exact prefix tokens, ring tokens)
 }
 
 
-def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str = "cuda", tuning: dict | None = None):
+def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str = "cuda", tuning: dict | None = None,
+                num_splits: int | None = None):
     """(call, pool) for one lever variant: pool of s random tokens plus the exact side buffers."""
     from tq_hf.kernels import unified_attention
 
@@ -86,7 +87,7 @@ def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str =
 
     def call():
         return unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out,
-                                 key_offset=mu, tuning=tuning, **extra)
+                                 key_offset=mu, tuning=tuning, num_splits=num_splits, **extra)
     return call, out
 
 

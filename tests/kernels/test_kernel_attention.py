@@ -379,7 +379,7 @@ def _capture_gpu_launch(monkeypatch) -> dict:
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
-        constants, BLOCK_N=bn))
+        constants, BLOCK_N=bn, STAGES=stages))
     monkeypatch.setattr(attention_kernel, "reduce_splits", lambda *a, **k: None)
     return seen
 
@@ -408,6 +408,9 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
+    # the metadata as token pairs and 3 pipeline stages: the lookup's decode when the batch leaves SMs free
+    pairs = lookup and head_dim == 128 and batch < 16
+    assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs else 2), seen
     seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
@@ -638,3 +641,18 @@ def test_decode_value_paths(value_words, preset, options):
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
            num_splits=3, tuning={"value_words": value_words}, **kw)
     _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)
+
+
+# per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked
+# apart (odd kv_start, the walk's end, the exact prefix's end), at every block size
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("options", [False, True])
+def test_meta_pairs_decode(block_size, options):
+    layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
+    tuning = {"meta_pairs": True}
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
+    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
+    if options:
+        _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
+               num_splits=3, tuning=tuning, **kw)

@@ -136,6 +136,45 @@ def _load_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.conste
 
 
 @triton.jit
+def _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T: tl.constexpr, META: tl.constexpr,
+                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, MASKED: tl.constexpr):
+    """The three metadata fields (key scale, value scale, value mid) of tile [t0, t0 + BLOCK_N) as fp32
+    [BLOCK_N], loaded as 32-bit words of two tokens (T is even: a pair shares its block). Triton's
+    pipeliner prefetches loads of >= 4 bytes a tile ahead (cp.async), not 2-byte ones, which stalled
+    every tile on their latency (15% of the stall samples, Nsight Compute, H200, B=16 S=32k). Masked
+    tokens read 0."""
+    tok = t0 + 2 * tl.arange(0, BLOCK_N // 2)  # the even token of each pair
+    if MASKED:
+        ok_e = tok < end
+        ok_o = tok + 1 < end
+        if HAS_KV_START or HAS_PREFIX:
+            ok_e = ok_e & (tok >= pool_first)
+            ok_o = ok_o & (tok + 1 >= pool_first)
+        ok = ok_e | ok_o
+    else:
+        ok = tl.full((BLOCK_N // 2,), True, tl.int1)
+        ok_e = ok
+        ok_o = ok
+    blk = tl.load(bt_row + tok // T, mask=ok, other=0).to(tl.int64)
+    base = (pool_ptr + blk * block_bytes + head_off + META + (tok % T) * 2).to(tl.pointer_type(tl.uint32))
+    return (_bf16_pairs(base, ok, ok_e, ok_o, BLOCK_N, MASKED),
+            _bf16_pairs(base + T // 2, ok, ok_e, ok_o, BLOCK_N, MASKED),
+            _bf16_pairs(base + T, ok, ok_e, ok_o, BLOCK_N, MASKED))
+
+
+@triton.jit
+def _bf16_pairs(ptr, ok, ok_e, ok_o, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """32-bit words of two bf16 (tokens 2i, 2i + 1) -> fp32 [BLOCK_N] in token order."""
+    w = tl.load(ptr, mask=ok, other=0)
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    if MASKED:
+        lo = tl.where(ok_e, lo, 0.0)
+        hi = tl.where(ok_o, hi, 0.0)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N,))
+
+
+@triton.jit
 def _add_pairs(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
@@ -227,7 +266,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, VALUE_WORDS: tl.constexpr,
-               VALUE_PTX: tl.constexpr, MASKED: tl.constexpr):
+               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
     first position and visible to every row (no tests, no load masks: 11% fewer instructions per
@@ -265,7 +304,11 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         kb = tl.load(plane[:, None] + off[:, None] * KB + dc[None, :], mask=tok_ok[:, None] & (dc[None, :] < D), other=0)
         k = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s = tl.dot(q16, tl.trans(k))
-    k_scale = _load_meta(plane, 0, off, T, META, tok_ok)
+    if META_PAIRS:
+        k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
+                                              BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
+    else:
+        k_scale = _load_meta(plane, 0, off, T, META, tok_ok)
     if MASKED:
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -289,8 +332,9 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
-    v_mid = _load_meta(plane, 2, off, T, META, tok_ok)
+    if not META_PAIRS:
+        v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
+        v_mid = _load_meta(plane, 2, off, T, META, tok_ok)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
     l_i = l_i * alpha + sum_p
     bias_acc = bias_acc * alpha + sum_pb
@@ -352,6 +396,7 @@ def _attn_kernel(
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # 4-bit codebook keys by key_lut.py's asm (else gathered)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS decoded by value_nibbles.py's asm (else Triton integer ops)
+    META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -483,14 +528,14 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, False)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, META_PAIRS, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, True)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, META_PAIRS, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -765,7 +810,8 @@ def unified_attention(
     tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
     "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids),
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
-    "exact_program" (split decode: attend the exact prefix/ring in a program of their own)}).
+    "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
+    "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
@@ -830,7 +876,13 @@ def unified_attention(
     if value_words and on_gpu and (block_m > 32 or d // 4 < 16):
         raise ValueError(f"tuning value_words=True needs row tiles of <= 32 rows and head_dim >= 64 on a GPU, got "
                          f"block_m {block_m}, head_dim {d} (64-row tiles computed wrong results on an H200)")
-    num_stages = tuning.get("num_stages", 2) if on_gpu else 1
+    # small-batch decode of 4-bit codebook keys by the lookup waits on memory latency: the metadata as 32-bit
+    # token pairs, which the pipeliner prefetches, and 3 stages (H200, S=32k 4bit: B=1 0.0396 -> 0.0370 ms, B=4
+    # 0.0983 -> 0.0916; at B=16 the pairs' address arithmetic costs more than their latency hides: 0.307 ->
+    # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
+    # eval/results/gpu_checks/session6/README.md)
+    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
+    num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
@@ -889,7 +941,7 @@ def unified_attention(
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
         VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None, LUT_LO=lut_asm(words, False) if words else "", LUT_HI=lut_asm(words, True) if words else "",
-        HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     _launch(grid, args, constants, block_n, num_stages)
