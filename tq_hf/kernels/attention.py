@@ -16,7 +16,9 @@ layout and the fp16 key tile never goes through shared memory; elsewhere the cen
 gathered. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
-subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two.
+subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
+metadata (key scale, value scale and mid) is read as bf16, or, in small-batch decode with the lookup
+(META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
