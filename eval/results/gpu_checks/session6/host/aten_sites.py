@@ -1,7 +1,8 @@
 """Every aten op of one decode layer (kernel launches stubbed) with the tq_hf line that issued it."""
 import sys, traceback, collections, torch
 from torch.utils._python_dispatch import TorchDispatchMode
-exec(open(".scratch/host_overhead.py").read().split("for preset_kw in")[0].replace(
+import os
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "host_overhead.py")).read().split("for preset_kw in")[0].replace(
     "B, S_LEN, HK, HQ, D, LAYERS = 8, 8192, 8, 32, 128, 8", "B, S_LEN, HK, HQ, D, LAYERS = 1, 4096, 8, 32, 128, 1"))
 class Log(TorchDispatchMode):
     def __init__(self): super().__init__(); self.sites = collections.Counter()
