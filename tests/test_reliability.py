@@ -362,16 +362,24 @@ class KernelStorePlainMachine(PlainMachine):
     exact_storage = False
 
 
-def test_history_check_catches_a_wrong_key_code_and_passes_the_right_ones():
-    class Data:  # hypothesis' data.draw, scripted: 12 tokens, 2 rows, left padding 0 and 3
-        def __init__(self, vals):
-            self.vals = list(vals)
+class ScriptedData:
+    """hypothesis' data.draw, scripted."""
 
-        def draw(self, strategy, label=None):
-            return self.vals.pop(0)
+    def __init__(self, vals):
+        self.vals = list(vals)
 
+    def draw(self, strategy, label=None):
+        return self.vals.pop(0)
+
+
+def _machine_after_a_prefill() -> KernelStorePlainMachine:
     machine = KernelStorePlainMachine()
-    machine.forward(Data([12, 2, [0, 3]]))
+    machine.forward(ScriptedData([12, 2, [0, 3]]))  # 12 tokens, 2 rows, left padding 0 and 3
+    return machine
+
+
+def test_history_check_catches_a_wrong_key_code_and_passes_the_right_ones():
+    machine = _machine_after_a_prefill()
     machine.same_history_and_attention()  # the right codes pass
     layer = machine.cache.layers[1]
     codes = layer.layout.key_codes(layer.pool)
@@ -379,6 +387,35 @@ def test_history_check_catches_a_wrong_key_code_and_passes_the_right_ones():
     codes[blk, 1, 7, 3] ^= 0x88  # token 7 of row 1, KV head 1: two codes move by 8 levels, far from any boundary
     with pytest.raises(AssertionError, match=r"1 keys farther from the exact ones .* \[1, 1, 7\]"):
         machine.history(1)
+
+
+def test_history_check_tolerates_a_boundary_code_flip():
+    """The flip a GPU store may make: the coordinate nearest a decision boundary (among row 1's real
+    tokens, KV head 1) takes the neighbouring code; its key changes, yet stays as close to the exact one."""
+    machine = _machine_after_a_prefill()
+    layer = machine.cache.layers[1]
+    t, d = layer.layout.block_size, layer.layout.head_dim
+    keys = machine.model.exact.layers[1].keys[1, 1, 3:].double()  # row 1's real tokens (positions 3..11)
+    if layer.key_offset is not None:  # key_centering: what was quantized
+        keys = keys - layer.key_offset[1, 1].double()
+    codec = reference.key_codec(layer.layout.config, d, "cpu")
+    u = keys / keys.abs().amax(-1, keepdim=True)
+    y = (u @ codec.rotation.double().T) / u.square().mean(-1, keepdim=True).sqrt()
+    gap = y[..., None] - codec.boundaries.double()  # [tokens, D, boundaries]
+    flat = gap.abs().flatten().argmin()
+    tok, j, bnd = (int(i) for i in torch.unravel_index(flat, gap.shape))
+    pos = 3 + tok
+    flipped = bnd if gap[tok, j, bnd] > 0 else bnd + 1  # the code on the boundary's other side
+    codes = layer.layout.key_codes(layer.pool)
+    blk, off = int(layer.block_table[1, pos // t]), pos % t
+    byte, high = (j, False) if j < d // 2 else (j - d // 2, True)
+    old = int(codes[blk, 1, off, byte])
+    codes[blk, 1, off, byte] = (old & 0x0F) | (flipped << 4) if high else (old & 0xF0) | flipped
+    assert ((old >> 4) if high else (old & 15)) != flipped
+    k, _ = layer.dequantized()
+    want_k, _ = machine.model.kv(1)
+    assert (k[1, 1, pos] - want_k[1, 1, pos]).abs().max() > 1e-3  # the flip changed the stored key
+    machine.history(1)
 
 
 TestPlainCacheMachine = PlainMachine.TestCase
