@@ -43,17 +43,17 @@ def captured_launches():
                 seen[self.name] = (args, kwargs)
             return record
 
-    saved = (attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_splits, store._store_kernel)
+    saved = (attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_site, store._store_kernel)
 
     def launch(grid, args, constants, block_n, num_stages):
         seen["attention"] = (args, {**constants, "BLOCK_N": block_n, "num_stages": num_stages})
 
     attention._launch, attention._tuned_for_gpu, attention._runs_ptx = launch, lambda device: True, lambda device: True
-    attention.reduce_splits, store._store_kernel = (lambda *a, **k: None), Recorder("store")
+    attention.reduce_site, store._store_kernel = (lambda *a, **k: lambda *args: None), Recorder("store")
     try:
         yield seen
     finally:
-        attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_splits, store._store_kernel = saved
+        attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_site, store._store_kernel = saved
 
 
 def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:

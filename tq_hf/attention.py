@@ -76,14 +76,16 @@ def turboquant_attention_forward(
         k, v = layer.dequantized()
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
         out = _chunked_dense(query, k, v, mask, scale, sinks, softcap).to(query.dtype)
-    else:
-        out = ops.paged_attention(
-            query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
-            kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
-            max_seq_len=layer.length, key_offset=layer.key_offset,
-            **_exact_overlays(layer),
-        )
-    return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous(), None
+    # written as [B, Lq, Hq, D], the layout the model's output projection reads (no transposing copy)
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    ops.paged_attention(
+        query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=out.transpose(1, 2),
+        kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+        max_seq_len=layer.length, key_offset=layer.key_offset,
+        **_exact_overlays(layer),
+    )
+    return out, None
 
 
 def _check_query(query: torch.Tensor, layer) -> None:

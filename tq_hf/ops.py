@@ -31,10 +31,12 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
 
 
 def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, **kwargs) -> torch.Tensor:
-    """Attention of query [B, Hq, Lq, D] over the pool; see reference.paged_attention."""
+                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Attention of query [B, Hq, Lq, D] over the pool; see reference.paged_attention. out: a buffer of
+    query's shape and dtype (any strides, last dimension contiguous) the result goes into; returned."""
     if use_kernels(pool):
         from .kernels import unified_attention
 
-        return unified_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
-    return reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
+        return unified_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
+    result = reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
+    return result if out is None else out.copy_(result)

@@ -380,7 +380,7 @@ def _capture_gpu_launch(monkeypatch) -> dict:
     monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
         constants, BLOCK_N=bn, STAGES=stages))
-    monkeypatch.setattr(attention_kernel, "reduce_splits", lambda *a, **k: None)
+    monkeypatch.setattr(attention_kernel, "reduce_site", lambda *a, **k: lambda *args: None)
     return seen
 
 

@@ -43,6 +43,7 @@ row tile's only program.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -65,7 +66,8 @@ from ._common import (
 )
 from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut_words, lut_asm
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS
-from .reduce import reduce_splits
+from .fast_launch import LaunchSite, PlanCache, argument_key, value_key
+from .reduce import reduce_site
 
 LOG2E = 1.4426950408889634
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
@@ -633,24 +635,26 @@ def _step_downs(block_n: int, num_stages: int, ring_n: int | None) -> list[tuple
     return out
 
 
-def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int) -> None:
+def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int) -> LaunchSite:
     """Launch, stepping down (_step_downs) when a variant needs more shared memory than the GPU has
     (e.g. 3-bit codes with dense exact tiles at head_dim 128). The failure is raised before
     anything is enqueued, so a retry is safe, also under CUDA-graph capture; the variant that fits
-    is remembered, so later calls launch once."""
+    is remembered, so later calls launch once. Returns the launch site of the variant that ran."""
     key = (tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
     ring_n = constants["RN"] if constants.get("HAS_RECENT") else None
     tries = [_FITTED[key]] if key in _FITTED else _step_downs(block_n, num_stages, ring_n)
     for i, (bn, stages, rn) in enumerate(tries):
-        variant = constants if rn is None else {**constants, "RN": rn}
+        variant = dict(constants if rn is None else {**constants, "RN": rn}, BLOCK_N=bn, num_stages=stages)
         try:
-            _attn_kernel[grid](*args, BLOCK_N=bn, num_stages=stages, **variant)
+            compiled = _attn_kernel[grid](*args, **variant)
         except triton.runtime.errors.OutOfResources:
             if i == len(tries) - 1:
                 raise
             continue
         _FITTED[key] = (bn, stages, rn)
-        return
+        site = LaunchSite(_attn_kernel, grid, variant)
+        site.adopt(compiled, len(args))
+        return site
 
 
 _WORKSPACES: dict[str, torch.Tensor] = {}
@@ -763,10 +767,8 @@ def _check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, d
                                 "prefix tokens", layout, batch, device)
 
 
-def _check_recent(recent_keys, recent_values, recent_from, layout: BlockLayout, batch: int, device) -> int:
-    """Validate the recent_window ring buffers and recent_from; return W (0 when neither is given)."""
-    if type(recent_from) is not int or recent_from < 0:
-        raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
+def _check_recent(recent_keys, recent_values, layout: BlockLayout, batch: int, device) -> int:
+    """Validate the recent_window ring buffers; return W (0 when neither is given)."""
     return _check_exact_buffers("recent", recent_keys, recent_values, MAX_RECENT_WINDOW, "recent_window", "W",
                                 "ring slots", layout, batch, device)
 
@@ -816,17 +818,105 @@ def unified_attention(
     "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens)}).
     Returns `out` (allocated if None) in query's dtype.
     """
+    plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
+                     prefix_values, recent_keys, recent_values, workspace, scale, sliding_window, softcap,
+                     max_seq_len, num_splits, tuning)
+    if type(recent_from) is not int or recent_from < 0:
+        raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
+    if out is None:
+        out = torch.empty_like(query)
+    if key_offset is not None:
+        key_offset = key_offset.float().contiguous()
+    cent = plan.cent
+    pout = plse = cent  # placeholders when not splitting
+    if plan.split:
+        if workspace is None:
+            workspace = split_workspace(pool.device, plan.workspace_numel)
+        pout = workspace[: plan.partial_rows * plan.dp]
+        plse = workspace[plan.partial_rows * plan.dp : plan.workspace_numel]
+    args = (
+        query, *query.stride()[:3], out, *out.stride()[:3],
+        pool, block_table, block_table.stride(0), seq_lens,
+        kv_start if kv_start is not None else seq_lens,
+        sinks if sinks is not None else cent,
+        plan.rot, cent, key_offset if key_offset is not None else cent, plan.s_koff, plan.vrot, pout, plse,
+        *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), plan.prefix_len,
+        *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(plan.recent_size, 1), recent_from,
+        *plan.scalars,
+    )
+    if plan.attention is None:
+        plan.attention = _launch(plan.grid, args, plan.constants, plan.block_n, plan.num_stages)
+    else:
+        plan.attention(*args)
+    if plan.split:
+        plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class _AttentionPlan:
+    """What a call's argument kinds decide (validated once): the launch's grid, constexprs and scalars."""
+
+    layout: BlockLayout  # held, so the id keying this plan stays this layout's
+    grid: tuple[int, int, int]
+    constants: dict
+    block_n: int
+    num_stages: int
+    split: bool
+    ns_all: int
+    partial_rows: int  # split partial rows, B x Hk x ns_all x BLOCK_M
+    dp: int
+    workspace_numel: int
+    rot: torch.Tensor
+    cent: torch.Tensor
+    vrot: torch.Tensor
+    s_koff: int
+    prefix_len: int
+    recent_size: int
+    scalars: tuple  # (Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes)
+    reduce: LaunchSite | None
+    attention: LaunchSite | None = None  # set by the first launch (the variant that fits the GPU)
+
+
+_PLANS = PlanCache()
+
+
+def _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
+              prefix_values, recent_keys, recent_values, workspace, scale, sliding_window, softcap, max_seq_len,
+              num_splits, tuning) -> _AttentionPlan:
+    """The cached plan for these argument kinds, made (and the inputs validated) on first sight.
+    max_seq_len only sizes the split count: rounded up to a power of two, one plan serves a decode
+    step after step (a split count sized for up to 2x the length)."""
+    if type(max_seq_len) is int and max_seq_len > 0:
+        max_seq_len = next_pow2(max_seq_len)
+    key = (id(layout), *map(argument_key, (query, pool, block_table, seq_lens, kv_start, sinks, out, key_offset,
+                                          prefix_keys, prefix_values, recent_keys, recent_values, workspace)),
+           *map(value_key, (scale, sliding_window, softcap, max_seq_len, num_splits)),
+           tuple(sorted(tuning.items())) if tuning else None,
+           # the launch heuristics and launch functions, which tests and eval.compile_check patch to take
+           # a GPU's choices on the CPU: a plan made under a patch is never reused without it
+           _tuned_for_gpu, _runs_ptx, _num_sms, _launch, reduce_site)
+    plan = _PLANS.get(key)
+    if plan is None or plan.layout is not layout:
+        plan = _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
+                          prefix_values, recent_keys, recent_values, workspace, scale, sliding_window, softcap,
+                          max_seq_len, num_splits, tuning)
+        _PLANS.put(key, plan)
+    return plan
+
+
+def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
+               prefix_values, recent_keys, recent_values, workspace, scale, sliding_window, softcap, max_seq_len,
+               num_splits, tuning) -> _AttentionPlan:
     _check_attention_inputs(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, scale,
                             sliding_window, softcap)
     key_offset, s_koff = check_key_offset(key_offset, layout, pool.device, rows=query.shape[0])
     b, hq, lq, d = query.shape
     prefix_len = _check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
-    recent_size = _check_recent(recent_keys, recent_values, recent_from, layout, b, pool.device)
+    recent_size = _check_recent(recent_keys, recent_values, layout, b, pool.device)
     hk = layout.num_kv_heads
     g = hq // hk
     cfg = layout.config
-    if out is None:
-        out = torch.empty_like(query)
     rot, cent, _ = codec_tensors(layout, str(pool.device))
     vrot = value_rotation_tensor(layout, str(pool.device))
 
@@ -907,31 +997,13 @@ def unified_attention(
     exact_prog = bool(tuning.get("exact_program", not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
 
-    pout = plse = cent  # placeholders when not splitting
+    workspace_numel = 0
+    partial_rows = b * hk * ns_all * block_m
     if split:
-        n_rows = b * hk * ns_all * block_m
-        need = n_rows * (dp + 1)
-        if workspace is None:
-            workspace = split_workspace(pool.device, need)
-        elif workspace.dtype != torch.float32 or workspace.device != pool.device or workspace.numel() < need:
-            raise ValueError(f"workspace must be float32 on {pool.device} with >= {need} elements")
-        pout = workspace[: n_rows * dp]
-        plse = workspace[n_rows * dp : need]
-
-    dummy = seq_lens
-    grid = (m_tiles * ns_all, hk, b)
-    args = (
-        query, query.stride(0), query.stride(1), query.stride(2),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        pool, block_table, block_table.stride(0), seq_lens,
-        kv_start if kv_start is not None else dummy,
-        sinks if sinks is not None else cent,
-        rot, cent, key_offset if key_offset is not None else cent, s_koff, vrot, pout, plse,
-        *_prefix_args(prefix_keys, cent), *_prefix_args(prefix_values, cent), prefix_len,
-        *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(recent_size, 1), recent_from,
-        lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
-        layout.block_bytes, layout.plane_bytes,
-    )
+        workspace_numel = partial_rows * (dp + 1)
+        if workspace is not None and (workspace.dtype != torch.float32 or workspace.device != pool.device
+                                      or workspace.numel() < workspace_numel):
+            raise ValueError(f"workspace must be float32 on {pool.device} with >= {workspace_numel} elements")
     constants = dict(
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
         META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
@@ -946,7 +1018,11 @@ def unified_attention(
         META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-    _launch(grid, args, constants, block_n, num_stages)
-    if split:
-        reduce_splits(pout, plse, out, b, hk, g, lq, ns_all, block_m, d, dp)
-    return out
+    return _AttentionPlan(
+        layout=layout, grid=(m_tiles * ns_all, hk, b), constants=constants, block_n=block_n, num_stages=num_stages,
+        split=split, ns_all=ns_all, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
+        rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len, recent_size=recent_size,
+        scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+                 layout.block_bytes, layout.plane_bytes),
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m, d, dp) if split else None,
+    )

@@ -6,7 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import store_rounded
+from ._common import next_pow2, store_rounded
+from .fast_launch import LaunchSite
 
 
 @triton.jit
@@ -36,12 +37,8 @@ def _reduce_kernel(
     store_rounded(dst + dc, res, dc < D)
 
 
-def reduce_splits(pout: torch.Tensor, plse: torch.Tensor, out: torch.Tensor, b: int, hk: int, g: int, lq: int,
-                  num_splits: int, block_m: int, d: int, dp: int) -> None:
-    """Combine num_splits partials per (row, KV head, sequence) into out [B, Hq, Lq, D]."""
-    grid = (g * lq, hk, b)
-    _reduce_kernel[grid](
-        pout, plse, out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        D=d, DP=dp, G=g, BLOCK_M=block_m, NSP=triton.next_power_of_2(num_splits),
-        num_warps=4 if dp >= 128 else 2,
-    )
+def reduce_site(b: int, hk: int, g: int, lq: int, num_splits: int, block_m: int, d: int, dp: int) -> LaunchSite:
+    """The launch combining num_splits partials per (row, KV head, sequence) into out [B, Hq, Lq, D];
+    call it with (pout, plse, out, out.stride(0), out.stride(1), out.stride(2), num_splits)."""
+    return LaunchSite(_reduce_kernel, (g * lq, hk, b), dict(
+        D=d, DP=dp, G=g, BLOCK_M=block_m, NSP=next_pow2(num_splits), num_warps=4 if dp >= 128 else 2))

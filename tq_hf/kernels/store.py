@@ -10,11 +10,14 @@ integer bit operations.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout
+from .fast_launch import LaunchSite, PlanCache, argument_key
 from ._common import (
     ACTIVATION_DTYPES,
     bf16_bits_to_f32,
@@ -206,6 +209,41 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     one kernel launch, no host synchronisation.
     tuning: launch overrides for benchmarks ({"block_t", "num_warps"}).
     """
+    plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset)),
+            tuple(sorted(tuning.items())) if tuning else None, _store_kernel)
+    plan = _PLANS.get(plan_key)
+    if plan is None or plan.layout is not layout:
+        plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, tuning))
+    if plan.site is None:  # no tokens
+        return
+    if key_offset is not None:
+        key_offset = key_offset.float().contiguous()
+    plan.site(
+        key, key.stride(0), key.stride(1),
+        value, value.stride(0), value.stride(1),
+        slots,
+        pool,
+        plan.rot, plan.cent, plan.bnd,
+        key_offset if key_offset is not None else plan.cent, *plan.scalars,
+    )
+
+
+@dataclasses.dataclass(slots=True)
+class _StorePlan:
+    """What a store's argument kinds decide (validated once): the launch and its scalar arguments."""
+
+    layout: BlockLayout  # held, so the id keying this plan stays this layout's
+    rot: torch.Tensor
+    cent: torch.Tensor
+    bnd: torch.Tensor
+    scalars: tuple  # (s_koff, tokens_per_row, vrot, n, block_bytes, plane_bytes)
+    site: LaunchSite | None  # None: no tokens to store
+
+
+_PLANS = PlanCache()
+
+
+def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePlan:
     check_layout_pool(pool, layout)
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, dim=3, dtypes=ACTIVATION_DTYPES, device=pool.device)
@@ -227,8 +265,6 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         if n % key_offset.shape[0]:
             raise ValueError(f"a per-row key_offset of {key_offset.shape[0]} rows needs N divisible by it, got N={n}")
         tokens_per_row = max(n // key_offset.shape[0], 1)
-    if n == 0:
-        return
     assert (KEY_SCALE, VALUE_SCALE, VALUE_MID) == (0, 1, 2)  # field order used by _store_meta
     cfg, d = layout.config, layout.head_dim
     rot, cent, bnd = codec_tensors(layout, str(pool.device))
@@ -242,18 +278,14 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     tuning = tuning or {}
     block_t = tuning.get("block_t", block_t)
     num_warps = tuning.get("num_warps", num_warps)
-    grid = (triton.cdiv(n, block_t), layout.num_kv_heads, 2)
-    _store_kernel[grid](
-        key, key.stride(0), key.stride(1),
-        value, value.stride(0), value.stride(1),
-        slots,
-        pool,
-        rot, cent, bnd,
-        key_offset if key_offset is not None else cent, s_koff, tokens_per_row, vrot,
-        n, layout.block_bytes, layout.plane_bytes,
-        D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8),
-        T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
-        KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
-        HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
-        num_warps=num_warps,
-    )
+    site = None
+    if n:
+        site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(
+            D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8),
+            T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
+            KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
+            HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
+            num_warps=num_warps,
+        ))
+    return _StorePlan(layout=layout, rot=rot, cent=cent, bnd=bnd, site=site,
+                      scalars=(s_koff, tokens_per_row, vrot, n, layout.block_bytes, layout.plane_bytes))

@@ -1,0 +1,236 @@
+"""fast_launch.LaunchSite (direct calls of a compiled kernel) and the launchers' plan caches.
+
+The direct call is a Triton internal: on the CPU it is checked against a fake kernel (argument
+order, when it falls back to Triton's own path); on the GPU against the reference, with fresh
+tensors per call, a pointer of another alignment and a launch hook installed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_hf import reference
+from tq_hf.kernels import attention as attention_kernel, fast_launch, store as store_kernel
+from tq_hf.kernels import store_kv, unified_attention
+
+from kernel_helpers import (DEVICE, attention_tolerance, compare_pools, default_scale, fill_cache, make_layout,
+                            rel_error)
+
+
+class FakeDriver:
+    def __init__(self):
+        self.device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+class FakeCompiled:
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class FakeKernel:
+    """A JIT function's surface: arg_names, constexprs (indices), fn[grid](*args, **kwargs)."""
+
+    def __init__(self, arg_names, constexprs):
+        self.arg_names, self.constexprs = arg_names, constexprs
+        self.compiled = FakeCompiled()
+        self.jit_calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(fast_launch, "_driver", lambda: driver)
+    monkeypatch.setattr(fast_launch, "_ENABLED", True)
+    hooks = []
+    monkeypatch.setattr(fast_launch, "_hooks_installed", lambda: bool(hooks))
+    return driver, hooks
+
+
+def test_launch_site_calls_the_compiled_kernel_after_the_first_launch(fake_triton):
+    kernel = FakeKernel(["x_ptr", "n", "BLOCK", "FLAG"], [2, 3])
+    site = fast_launch.LaunchSite(kernel, (3, 2, 1), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
+    site("t0", 7)
+    assert kernel.jit_calls == [((3, 2, 1), ("t0", 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4})]
+    site("t1", 9)
+    site("t2", 11)
+    assert len(kernel.jit_calls) == 1, "later calls must not go through Triton's binder"
+    assert kernel.compiled.runs == [
+        (3, 2, 1, 1000, "function", "metadata", None, None, None, "t1", 9, 64, True),
+        (3, 2, 1, 1000, "function", "metadata", None, None, None, "t2", 11, 64, True),
+    ]
+
+
+def test_launch_site_falls_back_to_triton(fake_triton, monkeypatch):
+    driver, hooks = fake_triton
+    kernel = FakeKernel(["x_ptr", "BLOCK"], [1])
+    site = fast_launch.LaunchSite(kernel, (1, 1, 1), {"BLOCK": 16})
+    site("t0")
+    driver.device = 1  # another current device: the compiled kernel belongs to device 0
+    site("t1")
+    driver.device = 0
+    hooks.append("profiler")  # a launch hook wants Triton's launch metadata
+    site("t2")
+    hooks.clear()
+    site("t3")
+    assert [c[1] for c in kernel.jit_calls] == [("t0",), ("t1",), ("t2",)]
+    assert [r[-2] for r in kernel.compiled.runs] == ["t3"]
+
+
+@pytest.mark.parametrize("case", ["unverified triton", "constexpr among the arguments", "constexpr by default"])
+def test_launch_site_never_calls_directly_when_unsure(fake_triton, monkeypatch, case):
+    names, constexprs, kwargs = ["x_ptr", "BLOCK"], [1], {"BLOCK": 16}
+    if case == "unverified triton":
+        monkeypatch.setattr(fast_launch, "_ENABLED", False)
+    elif case == "constexpr among the arguments":
+        names, constexprs = ["BLOCK", "x_ptr"], [0]
+    else:
+        names, constexprs, kwargs = ["x_ptr", "BLOCK", "EXTRA"], [1, 2], {"BLOCK": 16}
+    kernel = FakeKernel(names, constexprs)
+    site = fast_launch.LaunchSite(kernel, (1, 1, 1), kwargs)
+    for t in ("t0", "t1", "t2"):
+        site(t)
+    assert len(kernel.jit_calls) == 3 and kernel.compiled.runs == []
+
+
+def test_argument_key_tells_alignment_strides_and_kinds():
+    buf = torch.zeros(65, dtype=torch.float16)
+    a, b = buf[:64], buf[1:]
+    assert fast_launch.argument_key(a) != fast_launch.argument_key(b)  # 2-byte offset: another pointer class
+    assert fast_launch.argument_key(a) == fast_launch.argument_key(torch.zeros(64, dtype=torch.float16))
+    assert fast_launch.argument_key(a.view(8, 8)) != fast_launch.argument_key(a.view(8, 8).t())
+    assert fast_launch.argument_key([1, 2]) is list and fast_launch.argument_key(None) is type(None)
+
+
+def _attention_call(layout, lens, dtype=torch.float16, **kw):
+    pool, table = fill_cache(layout, lens, DEVICE)
+    q = torch.randn(len(lens), 4 * layout.num_kv_heads, 1, layout.head_dim, device=DEVICE).to(dtype)
+    seq = torch.tensor(lens, device=DEVICE)
+    return q, pool, table, seq
+
+
+def test_attention_plan_is_reused_and_bad_input_still_fails(monkeypatch):
+    """A second call with arguments of the same kinds reuses the plan (and stays correct on fresh
+    data); arguments of another kind make a new plan, so validation runs for them."""
+    monkeypatch.setattr(attention_kernel, "_PLANS", fast_launch.PlanCache())
+    layout = make_layout("4bit", 2, 64)
+    for _ in range(2):
+        q, pool, table, seq = _attention_call(layout, [37, 90])
+        out = torch.full_like(q, float("nan"))
+        unified_attention(q, pool, layout, table, seq, default_scale(64), out=out, max_seq_len=90)
+        want = reference.paged_attention(q.float(), pool, layout, table, seq, default_scale(64))
+        assert rel_error(out, want) <= attention_tolerance(q.dtype, want)
+    assert len(attention_kernel._PLANS) == 1
+    unified_attention(q, pool, layout, table, seq, default_scale(64), out=out, max_seq_len=100)
+    assert len(attention_kernel._PLANS) == 1, "max_seq_len 90 and 100 round to one plan (128)"
+    with pytest.raises(TypeError, match="query has dtype"):
+        unified_attention(q.to(torch.int16), pool, layout, table, seq, default_scale(64))
+    with pytest.raises(ValueError, match="out must be"):
+        unified_attention(q, pool, layout, table, seq, default_scale(64), out=out[:1])
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        unified_attention(q, pool, layout, table, seq[:1], default_scale(64), out=out)
+    with pytest.raises(ValueError, match="recent_from must be"):
+        unified_attention(q, pool, layout, table, seq, default_scale(64), out=out, max_seq_len=90, recent_from=-1)
+    with pytest.raises(TypeError, match="scale must be"):
+        unified_attention(q, pool, layout, table, seq, float("nan"), out=out, max_seq_len=90)
+
+
+def test_store_plan_is_reused_and_bad_input_still_fails(monkeypatch):
+    monkeypatch.setattr(store_kernel, "_PLANS", fast_launch.PlanCache())
+    layout = make_layout("4bit", 2, 64)
+    for _ in range(2):
+        k, v = (torch.randn(3, 2, 64, device=DEVICE) for _ in range(2))
+        slots = torch.tensor([0, 5, -1], device=DEVICE)
+        got, want = layout.allocate(2, DEVICE), layout.allocate(2, DEVICE)
+        store_kv(got, layout, k, v, slots)
+        reference.store(want, layout, k, v, slots)
+        assert torch.equal(got, want)
+    assert len(store_kernel._PLANS) == 1
+    with pytest.raises(TypeError, match="slots has dtype"):
+        store_kv(got, layout, k, v, slots.float())
+    with pytest.raises(ValueError, match="must agree on N"):
+        store_kv(got, layout, k, v[:2], slots)
+
+
+def test_plan_cache_drops_everything_when_full():
+    cache = fast_launch.PlanCache()
+    cache.limit = 3
+    for i in range(3):
+        cache.put(i, str(i))
+    assert cache.put(3, "3") == "3" and list(cache) == [3]
+
+
+# ---- the direct call on the GPU ------------------------------------------------------------------
+@pytest.mark.gpu
+def test_direct_launch_matches_reference_gpu():
+    """Decode at B=1 (split, so the reduction's site too) through the direct call: fresh tensors per
+    call, a query at a 2-byte offset (another specialization: a new plan), and a launch hook
+    installed (Triton's own path, the hook sees the launch)."""
+    from triton import knobs
+
+    layout = make_layout("4bit", 8, 128)
+    scale = default_scale(128)
+
+    def check(q, pool, table, seq):
+        out = torch.full_like(q, float("nan"))
+        unified_attention(q, pool, layout, table, seq, scale, out=out, max_seq_len=4096)
+        want = reference.paged_attention(q.float(), pool, layout, table, seq, scale)
+        assert rel_error(out, want) <= attention_tolerance(q.dtype, want)
+
+    for _ in range(3):
+        pool, table = fill_cache(layout, [4000], "cuda")
+        q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.float16)
+        check(q, pool, table, torch.tensor([4000], device="cuda"))
+    plans = [p for p in attention_kernel._PLANS.values() if p.layout is layout]
+    assert len(plans) == 1 and plans[0].split
+    if fast_launch._ENABLED:
+        assert plans[0].attention._kernel is not None and plans[0].reduce._kernel is not None
+    seq = torch.tensor([4000], device="cuda")
+    buf = torch.randn(32 * 128 + 1, device="cuda", dtype=torch.float16)
+    check(buf[1:].view(1, 32, 1, 128), pool, table, seq)
+    assert len([p for p in attention_kernel._PLANS.values() if p.layout is layout]) == 2
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        check(q, pool, table, seq)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 2  # the attention kernel and the reduction, through Triton's path
+
+
+@pytest.mark.gpu
+def test_direct_store_matches_reference_gpu():
+    """Decode-sized stores through the direct call, fresh tensors per call, the last at a 2-byte offset;
+    bytes as the spec on the CPU (compare_pools tolerates only boundary code flips)."""
+    layout = make_layout("4bit", 8, 128)
+    for offset in (0, 0, 0, 1):
+        buf = torch.randn(2, 3 * 8 * 128 + 1, device="cuda", dtype=torch.float16)
+        k, v = (b[offset:offset + 3 * 8 * 128].view(3, 8, 128) for b in buf)
+        slots = torch.tensor([7, 0, 100], device="cuda")
+        got = layout.allocate(8, "cuda").fill_(0x5A)
+        want = got.cpu()
+        store_kv(got, layout, k, v, slots)
+        reference.store(want, layout, k.cpu(), v.cpu(), slots.cpu())
+        compare_pools(got.cpu(), want, layout, k.cpu(), slots.cpu())
+    plans = [p for p in store_kernel._PLANS.values() if p.layout is layout]
+    assert len(plans) == 2
+    if fast_launch._ENABLED:
+        assert all(p.site._kernel is not None for p in plans)

@@ -1,0 +1,97 @@
+"""Relaunch a Triton kernel's compiled variant without Triton's per-call Python.
+
+`fn[grid](*args, **constexprs)` binds and specializes every argument, hashes a cache key, reads the
+runtime knobs and builds launch metadata on every call: ~77 us of host time for the decode attention
+kernel on the H200's host, whose kernel runs ~34 us (eval/results/gpu_checks/session7). A decode step
+repeats the same launch with arguments of the same kinds, so a launcher keys a plan on everything that
+decides the variant (shapes, strides, dtypes, devices, the 16-byte alignment of every pointer, the
+constexprs) and gives each launch site of the plan a `LaunchSite`: the first call goes through
+Triton (compiling if needed); later calls run the compiled kernel's launcher directly.
+
+The direct call uses Triton internals (CompiledKernel.run's argument order), checked against the
+versions in _VERIFIED; with any other version, the interpreter, launch hooks installed (profilers),
+or another current device, every call takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+_VERIFIED = ("3.6.",)  # Triton versions whose CompiledKernel.run argument order this module follows
+_ENABLED = triton.__version__.startswith(_VERIFIED)
+
+
+def _driver():
+    return triton.runtime.driver.active
+
+
+def _hooks_installed() -> bool:
+    """Whether a launch enter/exit hook is installed (a HookChain with calls, or a plain callable)."""
+    from triton import knobs
+
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(getattr(h, "calls", h) for h in hooks)
+
+
+class LaunchSite:
+    """One launch of a plan: grid, constexprs and options fixed; call with the runtime arguments."""
+
+    __slots__ = ("fn", "grid", "kwargs", "_kernel", "_suffix", "_device")
+
+    def __init__(self, fn, grid: tuple[int, int, int], kwargs: dict):
+        self.fn, self.grid, self.kwargs = fn, grid, kwargs
+        self._kernel = self._suffix = self._device = None
+
+    def __call__(self, *args) -> None:
+        kernel = self._kernel
+        if kernel is not None:
+            drv = _driver()
+            device = drv.get_current_device()
+            if device == self._device and not _hooks_installed():
+                g0, g1, g2 = self.grid
+                kernel.run(g0, g1, g2, drv.get_current_stream(device), kernel.function, kernel.packed_metadata,
+                           None, None, None, *args, *self._suffix)
+                return
+        compiled = self.fn[self.grid](*args, **self.kwargs)
+        if kernel is None:
+            self.adopt(compiled, len(args))
+
+    def adopt(self, compiled, n_args: int) -> None:
+        """Keep the compiled kernel when the direct call applies: a verified Triton, a compiled (not
+        interpreted) kernel, and every constexpr after the runtime arguments, each given by keyword."""
+        names = getattr(self.fn, "arg_names", None)
+        if not _ENABLED or names is None or not hasattr(compiled, "packed_metadata"):
+            return
+        tail = names[n_args:]
+        if sorted(self.fn.constexprs) != list(range(n_args, len(names))) or any(n not in self.kwargs for n in tail):
+            return
+        self._suffix = tuple(self.kwargs[n] for n in tail)
+        self._device = _driver().get_current_device()
+        self._kernel = compiled
+
+
+def argument_key(t) -> tuple | type:
+    """What of a launcher argument decides validation and the compiled variant: a tensor's dtype,
+    shape, strides, device and 16-byte alignment (Triton specializes pointers on it); else its type."""
+    if isinstance(t, torch.Tensor):
+        return t.dtype, t.shape, t.stride(), t.get_device(), t.data_ptr() & 15
+    return type(t)
+
+
+def value_key(v) -> object:
+    """A scalar launcher argument as a plan key: ints, floats, bools and None by value, else by identity."""
+    return v if v is None or type(v) in (int, float, bool) else (type(v), id(v))
+
+
+class PlanCache(dict):
+    """Launch plans by argument key, dropped wholesale when full (prefill shapes vary with the prompt;
+    decode reuses a handful)."""
+
+    limit = 512
+
+    def put(self, key, plan):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = plan
+        return plan
