@@ -379,9 +379,24 @@ def _capture_gpu_launch(monkeypatch) -> dict:
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
-        constants, BLOCK_N=bn, STAGES=stages))
+        constants, BLOCK_N=bn, STAGES=stages, GRID=grid))
     monkeypatch.setattr(attention_kernel, "reduce_site", lambda *a, **k: lambda *args: None)
     return seen
+
+
+@pytest.mark.parametrize("preset,batch,splits", [
+    ("4bit", 1, 32), ("4bit", 4, 8), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two
+    ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
+])
+def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
+    """The split count the launcher picks for S=32k decode on an H200 (captured, not launched)."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout(preset, 8, 128)
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
+    q = torch.randn(batch, 32, 1, 128, dtype=torch.float16)
+    unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
+                      max_seq_len=32768)
+    assert seen["GRID"] == (splits, 8, batch) and seen["SPLIT"]
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [

@@ -981,8 +981,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     if num_splits is None:
         programs = b * hk * m_tiles
         # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split
-        # a power of two splits the (power-of-two) tile counts evenly across splits
-        waves = 8 if cfg.key_bits == 8 else 3
+        # a power of two splits the (power-of-two) tile counts evenly across splits. H200, k8v4 S=32k, 4 vs 8
+        # waves: B=1 64 vs 128 splits 0.0375 vs 0.0402 ms, B=4 16 vs 32 0.0875 vs 0.0931, B=16 4 vs 8 0.2900
+        # vs 0.2913 (eval/results/gpu_checks/session7/call6)
+        waves = 4 if cfg.key_bits == 8 else 3
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
         num_splits = 1 if programs >= sms or m_tiles > 1 else 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
