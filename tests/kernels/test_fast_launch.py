@@ -234,3 +234,44 @@ def test_direct_store_matches_reference_gpu():
     assert len(plans) == 2
     if fast_launch._ENABLED:
         assert all(p.site._kernel is not None for p in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_launches_run_on_the_device_of_the_pool_gpu():
+    """Under a device_map a layer's cache sits on another GPU than the current device: its store and
+    attention must launch there, on that GPU's current stream (where its inputs were produced), and
+    match the reference, through Triton's path (a hook sees the stream) and the direct call."""
+    from triton import knobs
+
+    layout = make_layout("4bit", 8, 128)
+    scale = default_scale(128)
+    with torch.cuda.device(0):
+        k, v = (torch.randn(3000, 8, 128, device="cuda:1", dtype=torch.float16) for _ in range(2))
+        pool = layout.allocate(3000 // 16 + 2, "cuda:1").fill_(0x5A)
+        want_pool = pool.cpu()
+        slots = torch.arange(3000, device="cuda:1")
+        streams = []
+        hook = lambda metadata: streams.append(metadata.get()["stream"])  # noqa: E731
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            store_kv(pool, layout, k, v, slots)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        reference.store(want_pool, layout, k.cpu(), v.cpu(), slots.cpu())
+        compare_pools(pool.cpu(), want_pool, layout, k.cpu(), slots.cpu())
+        table = torch.arange(3000 // 16 + 1, device="cuda:1", dtype=torch.int32)[None]
+        seq = torch.tensor([3000], device="cuda:1")
+        for with_hook in (True, False, False):
+            q = torch.randn(1, 32, 1, 128, device="cuda:1", dtype=torch.float16)
+            out = torch.full_like(q, float("nan"))
+            if with_hook:
+                knobs.runtime.launch_enter_hook.add(hook)
+            try:
+                unified_attention(q, pool, layout, table, seq, scale, out=out, max_seq_len=3000)
+            finally:
+                knobs.runtime.launch_enter_hook.remove(hook)
+            want = reference.paged_attention(q.float(), pool, layout, table, seq, scale)
+            assert rel_error(out, want) <= attention_tolerance(q.dtype, want)
+        assert torch.cuda.current_device() == 0
+    assert len(streams) >= 2 and set(streams) == {torch.cuda.current_stream(1).cuda_stream}

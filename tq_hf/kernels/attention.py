@@ -66,7 +66,7 @@ from ._common import (
 )
 from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut_words, lut_asm
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS
-from .fast_launch import LaunchSite, PlanCache, argument_key, value_key
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, value_key
 from .reduce import reduce_site
 
 LOG2E = 1.4426950408889634
@@ -844,12 +844,13 @@ def unified_attention(
         *_prefix_args(recent_keys, cent), *_prefix_args(recent_values, cent), max(plan.recent_size, 1), recent_from,
         *plan.scalars,
     )
-    if plan.attention is None:
-        plan.attention = _launch(plan.grid, args, plan.constants, plan.block_n, plan.num_stages)
-    else:
-        plan.attention(*args)
-    if plan.split:
-        plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
+    with device_of(pool):
+        if plan.attention is None:
+            plan.attention = _launch(plan.grid, args, plan.constants, plan.block_n, plan.num_stages)
+        else:
+            plan.attention(*args)
+        if plan.split:
+            plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
     return out
 
 

@@ -15,6 +15,8 @@ or another current device, every call takes Triton's own path.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -69,6 +71,16 @@ class LaunchSite:
         self._suffix = tuple(self.kwargs[n] for n in tail)
         self._device = _driver().get_current_device()
         self._kernel = compiled
+
+
+def device_of(t: torch.Tensor):
+    """A context making t's CUDA device the current one (Triton launches on the current device's
+    current stream), or nothing when it already is: under a device_map a layer's cache lives on
+    another GPU than the current device, and its launches must run on that GPU, after the work of
+    its current stream that produced their inputs."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def argument_key(t) -> tuple | type:

@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout
-from .fast_launch import LaunchSite, PlanCache, argument_key
 from ._common import (
     ACTIVATION_DTYPES,
     bf16_bits_to_f32,
@@ -32,6 +31,7 @@ from ._common import (
     next_pow2,
     value_rotation_tensor,
 )
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of
 
 
 @triton.jit
@@ -218,14 +218,15 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         return
     if key_offset is not None:
         key_offset = key_offset.float().contiguous()
-    plan.site(
-        key, key.stride(0), key.stride(1),
-        value, value.stride(0), value.stride(1),
-        slots,
-        pool,
-        plan.rot, plan.cent, plan.bnd,
-        key_offset if key_offset is not None else plan.cent, *plan.scalars,
-    )
+    with device_of(pool):
+        plan.site(
+            key, key.stride(0), key.stride(1),
+            value, value.stride(0), value.stride(1),
+            slots,
+            pool,
+            plan.rot, plan.cent, plan.bnd,
+            key_offset if key_offset is not None else plan.cent, *plan.scalars,
+        )
 
 
 @dataclasses.dataclass(slots=True)
