@@ -24,7 +24,6 @@ DynamicSlidingWindowLayer, so their memory stays bounded by the window as in Dyn
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
