@@ -275,3 +275,21 @@ def test_launches_run_on_the_device_of_the_pool_gpu():
             assert rel_error(out, want) <= attention_tolerance(q.dtype, want)
         assert torch.cuda.current_device() == 0
     assert len(streams) >= 2 and set(streams) == {torch.cuda.current_stream(1).cuda_stream}
+
+
+def test_plans_hold_no_caller_tensors():
+    """A plan outlives the call that made it: it must not keep the caller's pool, query, output or
+    tables alive (a decode server frees and reallocates them)."""
+    import gc
+    import weakref
+
+    layout = make_layout("4bit", 2, 64)
+    q, pool, table, seq = _attention_call(layout, [37, 90])
+    out = torch.empty_like(q)
+    unified_attention(q, pool, layout, table, seq, default_scale(64), out=out, max_seq_len=90)
+    k = torch.randn(3, 2, 64, device=DEVICE)
+    store_kv(pool, layout, k, k, torch.tensor([0, 1, 2], device=DEVICE))
+    refs = [weakref.ref(t) for t in (q, pool, table, seq, out, k)]
+    del q, pool, table, seq, out, k
+    gc.collect()
+    assert all(r() is None for r in refs)
