@@ -426,7 +426,10 @@ def _key_mean(key_states: torch.Tensor, real: torch.Tensor | None = None) -> tor
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
-    """[B, H, L, D] -> [B * L, H, D] (row-major over batch then position, as _slots orders them)."""
+    """[B, H, L, D] -> [B * L, H, D] (row-major over batch then position, as _slots orders them);
+    a decode step's one position is a view (one op, no copy)."""
+    if x.shape[2] == 1:
+        return x.select(2, 0)
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 

@@ -293,3 +293,19 @@ def test_plans_hold_no_caller_tensors():
     del q, pool, table, seq, out, k
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_split_partials_follow_the_workspace(monkeypatch):
+    """The cached partial views always lie in the current workspace, also after it grew."""
+    monkeypatch.setattr(attention_kernel, "_WORKSPACES", {})
+    monkeypatch.setattr(attention_kernel, "_PARTIALS", {})
+    cpu = torch.device("cpu")
+    pout, plse = attention_kernel.split_partials(cpu, 64, 80)
+    buf = attention_kernel._WORKSPACES["cpu"]
+    assert (pout.data_ptr(), pout.numel(), plse.data_ptr(), plse.numel()) == (buf.data_ptr(), 64, buf.data_ptr() + 256, 16)
+    assert attention_kernel.split_partials(cpu, 64, 80)[0] is pout  # cached: no slicing per call
+    attention_kernel.split_partials(cpu, 1000, 1200)  # a larger launch: the workspace is replaced
+    grown = attention_kernel._WORKSPACES["cpu"]
+    assert grown.data_ptr() != buf.data_ptr()
+    pout, plse = attention_kernel.split_partials(cpu, 64, 80)
+    assert pout.data_ptr() == grown.data_ptr() and plse.data_ptr() == grown.data_ptr() + 256

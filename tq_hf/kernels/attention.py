@@ -658,6 +658,7 @@ def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages:
 
 
 _WORKSPACES: dict[str, torch.Tensor] = {}
+_PARTIALS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # views of the current workspaces
 
 
 def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -671,7 +672,20 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = torch.empty(next_pow2(numel), dtype=torch.float32, device=device)
         _WORKSPACES[key] = buf
+        for k in [k for k in _PARTIALS if k[0] == key]:  # views of the replaced buffer
+            del _PARTIALS[k]
     return buf
+
+
+def split_partials(device: torch.device, pout_numel: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs, log-sum-exps): elements [0, pout_numel) and [pout_numel, numel) of the
+    persistent workspace, as views kept while it stands (a decode step slices nothing)."""
+    key = (str(device), pout_numel, numel)
+    views = _PARTIALS.get(key)
+    if views is None:
+        buf = split_workspace(device, numel)
+        views = _PARTIALS[key] = (buf[:pout_numel], buf[pout_numel:numel])
+    return views
 
 
 def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
@@ -831,9 +845,10 @@ def unified_attention(
     pout = plse = cent  # placeholders when not splitting
     if plan.split:
         if workspace is None:
-            workspace = split_workspace(pool.device, plan.workspace_numel)
-        pout = workspace[: plan.partial_rows * plan.dp]
-        plse = workspace[plan.partial_rows * plan.dp : plan.workspace_numel]
+            pout, plse = split_partials(pool.device, plan.partial_rows * plan.dp, plan.workspace_numel)
+        else:
+            pout = workspace[: plan.partial_rows * plan.dp]
+            plse = workspace[plan.partial_rows * plan.dp : plan.workspace_numel]
     args = (
         query, *query.stride()[:3], out, *out.stride()[:3],
         pool, block_table, block_table.stride(0), seq_lens,
