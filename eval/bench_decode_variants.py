@@ -11,12 +11,23 @@ so the lookup is not what limits decode; that path was removed again.
 decode_tokens/ holds the run of commit 8391197, whose walk could put the tile's tokens on the MMA's M side in
 one-warp programs (tuning tokens_on_m): no faster at B=16 S=32k, slower at B=1 and with the levers; removed again.
 splits: the split count of the split-KV decode with 128/256-token tiles (short walks at small B).
+warps, warps2 (eval/results/decode_variants/warps_session8/): 1, 2, 4 or 8 warps per program x KV tile x
+the launcher's split count scaled 1-4x; narrow: the mid-batch rule this gave (2-warp programs on 128-token
+tiles, twice the splits) against the rule before it, on the plain format and with all levers.
+Measured and not merged (session 8, results under eval/results/decode_variants/): prefetch_session8/, each
+program's first blocks asked into L2 (sm_90 bulk prefetch) before its prologue (branch exp/l2-prefetch);
+prerotate_pdl_session8/, the split decode's query rotated once per (KV head, sequence) by a kernel of its
+own and/or programmatic dependent launch of the attention and the reduction (branch exp/prerotate-pdl);
+rotation_stages_session8/, the prologue's rotation loop with 32/64/128 coordinates per step and 1-5
+pipeline stages (tuning knobs not kept). Each was slower or within 1% of the launcher's defaults.
 lookups (eval/results/decode_lookups/): the unary prmt lookup that Triton decodes in the MMA's
 operand layout (key_lut.py) against the gather, with KV tile lengths and register caps, for the
 plain format and all levers; each output checked against the gather's.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
     python -m eval.bench_decode_variants --sweep levers --out eval/results/decode_levers
+    python -m eval.bench_decode_variants --sweep warps2 --points 1x32768,2x32768,4x32768,8x32768 --presets 4bit,k8v4
+    python -m eval.bench_decode_variants --sweep narrow --points 2x32768,4x32768,8x32768
     python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768 --out eval/results/decode_lookups
 """
 
@@ -44,6 +55,31 @@ VARIANTS = {  # name -> unified_attention tuning
 SPLITS = {  # name -> split count (unified_attention's num_splits) and tuning: short split walks at small B
     "launcher defaults": {},
     **{f"{n} splits, BLOCK_N {bn}": {"num_splits": n, "block_n": bn} for bn in (128, 256) for n in (8, 16, 32, 64, 128)},
+}
+
+WARPS = {  # name -> tuning (+ split_factor: the launcher's split count scaled): warps per program x KV tile x splits
+    "launcher defaults": {},
+    **{f"{nw} warps, BLOCK_N {bn}": {"num_warps": nw, "block_n": bn} for nw, bn in ((2, 128), (2, 64), (1, 64), (1, 32))},
+    **{f"{nw} warps, BLOCK_N {bn}, no register cap": {"num_warps": nw, "block_n": bn, "maxnreg": None}
+       for nw, bn in ((2, 128), (1, 64))},
+    **{f"{nw} warps, BLOCK_N {bn}, 2x splits": {"num_warps": nw, "block_n": bn, "split_factor": 2}
+       for nw, bn in ((2, 128), (1, 64))},
+    "launcher defaults (again)": {},
+}
+
+WARPS2 = {  # the second round: where fewer warps with more splits gained (B=4 4bit, B=1 k8v4), what gains
+    "launcher defaults": {},
+    **{f"{nw} warps, BLOCK_N {bn}, {f}x splits": {"num_warps": nw, "block_n": bn, "split_factor": f}
+       for nw, bn, f in ((4, 128, 2), (2, 128, 2), (2, 128, 4), (2, 64, 2), (1, 64, 2), (1, 64, 4), (8, 256, 1),
+                         (8, 128, 1), (8, 256, 2))},
+    "launcher defaults (again)": {},
+}
+
+NARROW = {  # name -> tuning, with and without the levers: the mid-batch 2-warp rule against the rule before it
+    "launcher defaults": {},
+    "before: 4 warps, BLOCK_N 256": {"num_warps": 4, "block_n": 256},
+    "before: 4 warps, BLOCK_N 128": {"num_warps": 4, "block_n": 128},
+    "launcher defaults (again)": {},
 }
 
 LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x KV tile x register cap (maxnreg)
@@ -101,6 +137,15 @@ def _time_against(call, out, baseline, reps: int, flush):
     return time_ms(call, reps, True, flush), diff, baseline
 
 
+def _default_splits(q, pool, layout, table, seq, s: int) -> int:
+    """The split count unified_attention's launcher picks for these arguments (its plan's scalars)."""
+    from tq_hf.kernels import attention as attention_kernel
+
+    plan = attention_kernel._plan_for(q, pool, layout, table, seq, None, None, None, None, None, None, None, None, None,
+                                      1 / math.sqrt(q.shape[-1]), None, None, s, None, None)
+    return plan.scalars[1]
+
+
 def _row(b: int, s: int, preset: str, variant: str, tuning: dict, ms: float, diff: float, sdpa: float,
          cbytes: int, out) -> dict:
     return {"B": b, "S": s, "preset": preset, "variant": variant, "tuning": tuning, "ms": ms, "sdpa_fp16_ms": sdpa,
@@ -113,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
     ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
-    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits"], default="tiles")
+    ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits", "warps", "warps2", "narrow"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
     args = ap.parse_args(argv)
@@ -131,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
         sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
         del k, v
-        if args.sweep == "lookups":
+        if args.sweep in ("lookups", "narrow"):
             for lever in ("plain (no levers)", "all (4bit defaults + centering)"):
                 overrides, prefix, ring = LEVERS[lever]
                 options = {"key_centering": False, "value_rotation": False, **overrides}
@@ -140,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 layout = BlockLayout(cfg, hk, d)
                 baseline = None
                 torch.manual_seed(0)
-                for name, tuning in LOOKUPS.items():
+                for name, tuning in (LOOKUPS if args.sweep == "lookups" else NARROW).items():
                     torch.manual_seed(0)  # the same pool and side buffers for every variant
                     try:
                         call, out = _lever_call(q, layout, b, s, prefix, ring, tuning=tuning)
@@ -180,9 +225,11 @@ def main(argv: list[str] | None = None) -> None:
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None
-            for name, variant in (SPLITS if args.sweep == "splits" else VARIANTS).items():
+            for name, variant in {"splits": SPLITS, "warps": WARPS, "warps2": WARPS2}.get(args.sweep, VARIANTS).items():
                 out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
-                tuning = {k: v for k, v in variant.items() if k != "num_splits"}
+                tuning = {k: v for k, v in variant.items() if k not in ("num_splits", "split_factor")}
+                if "split_factor" in variant:  # the launcher's split count for these arguments, scaled
+                    variant = {**variant, "num_splits": _default_splits(q, pool, layout, table, seq, s) * variant["split_factor"]}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
                                                      tuning=tuning, num_splits=variant.get("num_splits"))

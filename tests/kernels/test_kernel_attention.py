@@ -385,7 +385,8 @@ def _capture_gpu_launch(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("preset,batch,splits", [
-    ("4bit", 1, 32), ("4bit", 4, 8), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two
+    ("4bit", 1, 32), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two
+    ("4bit", 2, 32), ("4bit", 4, 16), ("4bit", 8, 8),  # mid batch: 2-warp programs, 6 waves (was 16 / 8 / 4)
     ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
 ])
 def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
@@ -397,12 +398,19 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
                       max_seq_len=32768)
     assert seen["GRID"] == (splits, 8, batch) and seen["SPLIT"]
+    assert seen["num_warps"] == (2 if preset == "4bit" and 2 <= batch <= 8 else 4)
+    if preset == "4bit" and batch == 4:  # measured slower with the levers: the rule before (3 waves, 4 warps)
+        seen.clear()
+        lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+        unified_attention(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
+                          max_seq_len=32768, key_offset=torch.zeros(8, 128))
+        assert seen["GRID"] == (8, 8, batch) and seen["num_warps"] == 4
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
     ("4bit", 16, 1, True, 128, 128),  # 16 x 8 KV heads nearly fill 132 SMs: short tiles, 4 programs per SM
-    ("4bit", 4, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
-    ("4bit", 1, 1, True, 256, None),
+    ("4bit", 4, 1, True, 128, None),  # mid batch: 2-warp programs on 128-token tiles (decode_variants/warps_session8)
+    ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, None),  # FP8 keys need no lookup
     ("k3v4", 16, 1, False, 128, None),  # 3-bit codes are not nibbles
@@ -419,6 +427,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         lookup, maxnreg = False, None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
+    assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128

@@ -950,6 +950,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     wants_lut = tuning.get("key_lut", d == 128)
     words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
     maxnreg = None
+    narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
+    plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
@@ -962,6 +964,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
             block_n, maxnreg = 128, 128
+        elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
+            # mid batch (2-8 sequences of 8 KV heads): 2-warp programs on 128-token tiles, twice the
+            # splits below (the same warps per SM). H200, S=32k plain 4bit, B=2/4/8: 0.0557 -> 0.0550,
+            # 0.0920 -> 0.0876, 0.1634 -> 0.1529 ms; B=1 none. With the levers (centering, value rotation,
+            # exact prefix and ring) slower at B=4/8: 0.148 -> 0.181, 0.263 -> 0.326 ms, so only the plain
+            # format (eval/results/decode_variants/warps_session8/)
+            block_n, narrow = 128, True
     else:
         block_m = 64 if d == 128 else 32
         block_n = 64 if d <= 128 else 32
@@ -974,7 +983,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
-    num_warps = tuning.get("num_warps", 4)
+    num_warps = tuning.get("num_warps", 2 if narrow else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register, decoded as fp16 subnormals):
     # decode tiles of <= 32 rows only (the mma.sync path: the GPU tests of 2026-11-30 failed for
     # 64-row wgmma tiles), and on a GPU only where every warp gets a column tile of its own
@@ -1001,6 +1010,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # waves: B=1 64 vs 128 splits 0.0375 vs 0.0402 ms, B=4 16 vs 32 0.0875 vs 0.0931, B=16 4 vs 8 0.2900
         # vs 0.2913 (eval/results/gpu_checks/session7/call6)
         waves = 4 if cfg.key_bits == 8 else 3
+        if words and num_warps == 2:
+            waves *= 2
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
         num_splits = 1 if programs >= sms or m_tiles > 1 else 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
