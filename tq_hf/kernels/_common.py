@@ -85,6 +85,12 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def tuned_for_gpu(device: torch.device) -> bool:
+    """Launch heuristics for a real GPU (the interpreter gets small tiles). Each launcher module
+    imports it as `_tuned_for_gpu`, which tests patch there to take a GPU's choices on the CPU."""
+    return device.type == "cuda"
+
+
 @functools.lru_cache(maxsize=None)
 def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rotation [D, D] fp32, centroids [2**bits] fp32, boundaries [2**bits - 1] fp32) on device.

@@ -62,6 +62,7 @@ from ._common import (
     matmul_square,
     next_pow2,
     store_rounded,
+    tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
 )
 from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut_words, lut_asm
@@ -693,11 +694,6 @@ def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
     if t is None:
         return placeholder, 0, 0, 0
     return t, t.stride(0), t.stride(1), t.stride(2)
-
-
-def _tuned_for_gpu(device: torch.device) -> bool:
-    """Launch heuristics for a real GPU (the interpreter gets small tiles); patched by tests."""
-    return device.type == "cuda"
 
 
 def _runs_ptx(device: torch.device) -> bool:

@@ -29,6 +29,7 @@ from ._common import (
     fp8e4m3_bits,
     matmul_square,
     next_pow2,
+    tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
 )
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of
@@ -242,11 +243,6 @@ class _StorePlan:
 
 
 _PLANS = PlanCache()
-
-
-def _tuned_for_gpu(device: torch.device) -> bool:
-    """Launch choices for a real GPU (the interpreter gets small tiles); patched by tests."""
-    return device.type == "cuda"
 
 
 def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePlan:
