@@ -186,6 +186,34 @@ def test_pack_unpack_roundtrip_all_code_values(bits):
     assert torch.equal(ref.unpack_codes(packed, bits, 128), codes)
 
 
+@pytest.mark.parametrize("preset,head_dim", [("4bit", 128), ("4bit", 64), ("k3v4", 64), ("3bit", 128)])
+def test_stored_codes_name_their_levels(preset, head_dim):
+    """4-bit keys are stored sign-magnitude (bit 3: the negative half, low bits: the magnitude rank),
+    3-bit keys as their levels; either way, dequantization reads back the level the quantizer chose
+    (an independent float64 bucketing of the rotated coordinates)."""
+    cfg = TurboQuantConfig.from_preset(preset)
+    codec = ref.key_codec(cfg, head_dim)
+    codes = ref.stored_codes(cfg.key_bits)
+    assert sorted(codes.tolist()) == list(range(1 << cfg.key_bits))
+    if cfg.key_bits == 4:
+        assert codes.tolist() == [15, 14, 13, 12, 11, 10, 9, 8, 0, 1, 2, 3, 4, 5, 6, 7]
+        mags = codec.code_centroids[:8]
+        assert bool((mags > 0).all()) and bool((mags[1:] > mags[:-1]).all())
+        torch.testing.assert_close(codec.code_centroids[8:], -mags, rtol=0, atol=1e-7)
+    k = torch.randn(257, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    packed, scale = ref.quantize_keys(k, cfg)
+    u = k.double() / k.double().abs().amax(-1, keepdim=True)
+    y = (u @ codec.rotation.double().T) / u.square().mean(-1, keepdim=True).sqrt()
+    levels = torch.bucketize(y, codec.boundaries.double())
+    stored = ref.unpack_codes(packed, cfg.key_bits, head_dim)
+    near = (y[..., None] - codec.boundaries.double()).abs().amin(-1) < 1e-5  # float32 vs float64 ties
+    assert torch.equal(stored[~near], codes[levels][~near])
+    got = ref.dequantize_keys(packed, scale, cfg, head_dim)
+    level_of_code = torch.argsort(codes)
+    want = (codec.centroids[level_of_code[stored]] @ codec.rotation) * scale.float()[..., None]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_pack_rejects_unsupported_bits():
     with pytest.raises(ValueError, match="3, 4, 8"):
         ref.pack_codes(torch.zeros(8, dtype=torch.int64), 2)

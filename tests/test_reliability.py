@@ -405,7 +405,8 @@ def test_history_check_tolerates_a_boundary_code_flip():
     flat = gap.abs().flatten().argmin()
     tok, j, bnd = (int(i) for i in torch.unravel_index(flat, gap.shape))
     pos = 3 + tok
-    flipped = bnd if gap[tok, j, bnd] > 0 else bnd + 1  # the code on the boundary's other side
+    level = bnd if gap[tok, j, bnd] > 0 else bnd + 1  # the level on the boundary's other side
+    flipped = int(reference.stored_codes(layer.layout.config.key_bits)[level])  # as stored
     codes = layer.layout.key_codes(layer.pool)
     blk, off = int(layer.block_table[1, pos // t]), pos % t
     byte, high = (j, False) if j < d // 2 else (j - d // 2, True)

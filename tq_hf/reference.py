@@ -5,8 +5,9 @@ quantize + store new tokens into a paged pool, dequantize a sequence back, and a
 the pool. Kernel tests compare against these functions; the cache uses them on CPU.
 
 Keys (3/4-bit): u = k / amax|k|;  y = R u / rms(u)  (unit-variance rotated coordinates);
-    code_i = #{boundaries < y_i};  scale = amax * rms(u) / rms(c[code])  (norm correction);
-    k_hat = scale * R^T c[code].   Attention needs only  q . k_hat = scale * (R q) . c[code].
+    level_i = #{boundaries < y_i};  scale = amax * rms(u) / rms(c[level])  (norm correction);
+    k_hat = scale * R^T c[level].   Attention needs only  q . k_hat = scale * (R q) . c[level].
+    The stored code of a level is stored_codes(bits)[level] (4-bit: sign-magnitude).
 Keys (8-bit): scale = roundup_bf16(amax / 448);  code = fp8_e4m3(k / scale).
 Values: mid = bf16(amax/2 + amin/2); scale = roundup_bf16(max(amax - mid, mid - amin) / (L/2));
     code = clamp(floor((v - mid) / scale + L/2 + 1/2), 0, L);  v_hat = mid + scale (code - L/2),
@@ -85,8 +86,21 @@ class KeyCodec:
     """Rotation and codebook shared by every head of every layer with this head_dim."""
 
     rotation: torch.Tensor  # [D, D] float32, orthogonal; rotated = x @ rotation.T
-    centroids: torch.Tensor  # [2**bits] float32 (unit variance), ascending
+    centroids: torch.Tensor  # [2**bits] float32 (unit variance), ascending: level n
     boundaries: torch.Tensor  # [2**bits - 1] float32
+    codes: torch.Tensor  # [2**bits] int64: the stored code of level n (stored_codes)
+    code_centroids: torch.Tensor  # [2**bits] float32: the centroid of each stored code
+
+
+def stored_codes(bits: int) -> torch.Tensor:
+    """Level n (ascending centroid index) -> the code stored for it. 4-bit keys are sign-magnitude:
+    bit 3 set for the negative half (levels 0-7), low bits the magnitude rank (levels 8 + r and 7 - r
+    share rank r), so the decode kernel's byte-permute lookup takes the rank as `code & 7` and the
+    sign from bit 3 (key_lut.py). Other widths store the level itself."""
+    n = torch.arange(1 << bits)
+    if bits != 4:
+        return n
+    return torch.where(n >= 8, n - 8, 15 - n)
 
 
 @functools.lru_cache(maxsize=None)
@@ -97,7 +111,10 @@ def key_codec(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> K
         return None
     book = lloyd_max(head_dim, config.key_bits, device)
     rot = rotation_matrix(head_dim, config.rotation, config.seed, device)
-    return KeyCodec(rot, book.centroids, book.boundaries)
+    codes = stored_codes(config.key_bits).to(device)
+    code_centroids = torch.empty_like(book.centroids)
+    code_centroids[codes] = book.centroids
+    return KeyCodec(rot, book.centroids, book.boundaries, codes, code_centroids)
 
 
 def value_rotation_matrix(config: TurboQuantConfig, head_dim: int, device: str = "cpu") -> torch.Tensor | None:
@@ -134,7 +151,7 @@ def quantize_keys(
     scale = amax * rms_u
     if config.norm_correction:
         scale = scale / codec.centroids[idx].square().mean(-1).sqrt()
-    return pack_codes(idx, config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
+    return pack_codes(codec.codes[idx], config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
 
 
 def dequantize_keys(
@@ -149,7 +166,7 @@ def dequantize_keys(
         k = codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
     else:
         codec = key_codec(config, head_dim, str(codes.device))
-        c = codec.centroids[unpack_codes(codes, config.key_bits, head_dim)]
+        c = codec.code_centroids[unpack_codes(codes, config.key_bits, head_dim)]
         k = (c @ codec.rotation) * scale.float()[..., None]
     return k if offset is None else k + offset.float()
 

@@ -36,7 +36,7 @@ def test_every_code_byte_becomes_its_two_centroids(head_dim):
     cfg = TurboQuantConfig.from_preset("4bit", rotation="random")
     words = config_lut_words(cfg, head_dim)
     assert words is not None and CONSTRAINTS == "=r,=r,r"
-    want = _fp16_bits(key_codec(cfg, head_dim, "cpu").centroids)
+    want = _fp16_bits(key_codec(cfg, head_dim, "cpu").code_centroids)  # by stored (sign-magnitude) code
     gen = torch.Generator().manual_seed(head_dim)
     cases = [[v, (v * 7 + 3) % 256, (v * 13 + 5) % 256, (v * 29 + 11) % 256] for v in range(256)]
     cases += torch.randint(0, 256, (64, 4), generator=gen).tolist()

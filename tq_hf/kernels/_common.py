@@ -92,16 +92,18 @@ def tuned_for_gpu(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rotation [D, D] fp32, centroids [2**bits] fp32, boundaries [2**bits - 1] fp32) on device.
+def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, ...]:
+    """(rotation [D, D] fp32, centroids [2**bits] fp32 by level (ascending), boundaries [2**bits - 1]
+    fp32, centroids by stored code [2**bits] fp32) on device.
 
     FP8 keys have no codec; they get 1-element placeholders so launch signatures stay fixed.
     """
     codec = key_codec(layout.config, layout.head_dim, device)
     if codec is None:
         one = torch.ones(1, dtype=torch.float32, device=device)
-        return one, one, one
-    return codec.rotation.contiguous(), codec.centroids.contiguous(), codec.boundaries.contiguous()
+        return one, one, one, one
+    return (codec.rotation.contiguous(), codec.centroids.contiguous(), codec.boundaries.contiguous(),
+            codec.code_centroids.contiguous())
 
 
 @functools.lru_cache(maxsize=None)

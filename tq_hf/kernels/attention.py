@@ -376,7 +376,7 @@ def _attn_kernel(
     kvs_ptr,  # [B] int: first visible position (left padding), if HAS_KV_START
     sink_ptr,  # [Hq] float: sink logits, if HAS_SINKS
     rot_ptr,  # [D, D] fp32 rotation R (codebook keys)
-    cent_ptr,  # [2**KEY_BITS] fp32 centroids (codebook keys)
+    cent_ptr,  # [2**KEY_BITS] fp32 centroids by stored code (codebook keys; reference.stored_codes)
     koff_ptr, s_koff,  # fp32 key_centering mean [Hk, D] (s_koff 0) or [B, Hk, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
     pout_ptr,  # [B, Hk, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
@@ -929,7 +929,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     hk = layout.num_kv_heads
     g = hq // hk
     cfg = layout.config
-    rot, cent, _ = codec_tensors(layout, str(pool.device))
+    rot, _, _, cent = codec_tensors(layout, str(pool.device))  # cent: centroids by stored code (the gather's table)
     vrot = value_rotation_tensor(layout, str(pool.device))
 
     rows = g * lq

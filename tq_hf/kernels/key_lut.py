@@ -11,9 +11,10 @@ eval/results/decode_lookups/: 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
 
 The Lloyd-Max codebook of the (symmetric) rotated-coordinate distribution is symmetric:
 c[15 - n] == -c[n], also after rounding to fp16 (checked here, else `config_lut_words` returns
-None and the kernel gathers). So 8 magnitudes M[i] = c[8 + i] suffice: code n >= 8 is +M[n - 8],
-code n < 8 is -M[7 - n]. The low and the high bytes of the fp16 magnitudes make two 8-byte
-tables, which one `prmt` indexes with 4 codes at once (its selector nibbles are the codes).
+None and the kernel gathers). So 8 magnitudes M[i] = c[8 + i] suffice, and 4-bit keys are stored
+sign-magnitude (reference.stored_codes): code r is +M[r], code 8 + r is -M[r]. The low and the high
+bytes of the fp16 magnitudes make two 8-byte tables, which one `prmt` indexes with 4 codes at once
+(its selector nibbles are the codes' ranks, code & 7).
 The tables are immediates in the asm text (unary asm takes no table operands): one compiled
 kernel variant per codebook, i.e. per head_dim.
 """
@@ -31,27 +32,24 @@ if TYPE_CHECKING:
 # $2: 4 code bytes (low nibble: coordinate j of the head's first half, high nibble: j + D/2).
 # $0, $1: fp16 centroids of bytes 0-1 and 2-3: of their low nibbles (sel 0x6240) or high (0x7351).
 # The low- and the high-nibble calls share everything up to the last two permutes; ptxas merges
-# that common part, so 8 codes cost ~20 integer instructions.
+# that common part, so 8 codes cost ~16 integer instructions (~20 when codes were ascending levels,
+# whose rank 7 - n of the negative half took 4 more: offline sm_90a SASS, 1005 -> 962 per 128-token
+# tile at B=16, 1893 -> 1779 per 256-token tile at B=1).
 _BODY = """{
-.reg .b32 nb, t, x, idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
+.reg .b32 idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
 mov.b32 l0, %(l0)d;
 mov.b32 l1, %(l1)d;
 mov.b32 h0, %(h0)d;
 mov.b32 h1, %(h1)d;
-not.b32 nb, $2;
-shr.b32 t, nb, 3;
-and.b32 t, t, 0x11111111;
-mul.lo.u32 x, t, 7;
-xor.b32 idx, $2, x;
-and.b32 idx, idx, 0x77777777;
+and.b32 idx, $2, 0x77777777;
 prmt.b32 la, l0, l1, idx;
 prmt.b32 ha, h0, h1, idx;
 shr.b32 idx2, idx, 16;
 prmt.b32 lb, l0, l1, idx2;
 prmt.b32 hb, h0, h1, idx2;
-shl.b32 sh, nb, 4;
-prmt.b32 sa, sh, nb, 0xD9C8;
-prmt.b32 sb, sh, nb, 0xFBEA;
+shl.b32 sh, $2, 4;
+prmt.b32 sa, sh, $2, 0xD9C8;
+prmt.b32 sb, sh, $2, 0xFBEA;
 and.b32 sa, sa, 0x80808080;
 or.b32 ha, ha, sa;
 and.b32 sb, sb, 0x80808080;
@@ -59,11 +57,11 @@ or.b32 hb, hb, sb;
 prmt.b32 $0, la, ha, %(sel)s;
 prmt.b32 $1, lb, hb, %(sel)s;
 }"""
-# how the steps work, per nibble n of the 4 code bytes (8 codes):
-#   t = 1 where n < 8 (negative);  idx = (n ^ 7t) & 7 = magnitude index (n - 8, or 7 - n)
+# how the steps work, per nibble n of the 4 code bytes (8 codes, sign-magnitude):
+#   idx = n & 7 = magnitude rank
 #   la/ha (lb/hb): low/high bytes of M[idx] for nibbles 0-3 (4-7), one byte per nibble
-#   sa/sb: prmt's sign-replicate mode (selector bit 3) turns the msb of ~n (= t) into 0xFF/0x00
-#          per byte; its bit 7 becomes the fp16 sign bit in the high byte
+#   sa/sb: prmt's sign-replicate mode (selector bit 3) turns bit 3 of n (the sign, moved to a byte's
+#          msb by the shift) into 0xFF/0x00 per byte; its bit 7 becomes the fp16 sign bit in the high byte
 #   $0/$1: interleave (low byte, high byte) of the wanted nibbles into two fp16x2 words
 
 CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)

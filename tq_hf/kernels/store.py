@@ -153,6 +153,9 @@ def _store_kernel(
                 c_lo, v_lo = _bucket(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC - 1)
                 c_hi, v_hi = _bucket(tl.math.div_rn(y_hi, inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
+                # stored sign-magnitude (reference.stored_codes): level n >= 8 -> n - 8, n < 8 -> 15 - n
+                c_lo = tl.where(c_lo >= 8, c_lo - 8, 15 - c_lo)
+                c_hi = tl.where(c_hi >= 8, c_hi - 8, 15 - c_hi)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
             else:  # 3-bit: a little-endian bit stream, 8 codes -> 3 bytes
                 code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
@@ -269,7 +272,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
         tokens_per_row = max(n // key_offset.shape[0], 1)
     assert (KEY_SCALE, VALUE_SCALE, VALUE_MID) == (0, 1, 2)  # field order used by _store_meta
     cfg, d = layout.config, layout.head_dim
-    rot, cent, bnd = codec_tensors(layout, str(pool.device))
+    rot, cent, bnd, _ = codec_tensors(layout, str(pool.device))
     vrot = value_rotation_tensor(layout, str(pool.device))
     # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
     # D=128); decode steps (a few tokens) take the smallest tile that holds them.
