@@ -106,7 +106,7 @@ def test_store_non_contiguous_inputs_and_int32_slots():
 
 @pytest.mark.parametrize("tokens,block_t,warps", [
     (1, 16, 8), (16, 16, 8),  # a decode step: 8 warps (H200, eval/results/gpu_checks/session8, call 9)
-    (32, 32, 4), (1000, 64, 8),  # long prefills: 64-token tiles amortise the rotation loads
+    (32, 32, 8), (1000, 64, 8),  # long prefills: 64-token tiles amortise the rotation loads
 ])
 def test_store_launch_choices_on_a_gpu(monkeypatch, tokens, block_t, warps):
     """What the store launcher picks on a GPU (the plan only, nothing launched)."""
@@ -146,9 +146,9 @@ def test_store_rejects_bad_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_store_real_size_gpu(preset, dtype):
+@pytest.mark.parametrize("n", [7, 29, 8192 + 5])  # each tile size the launcher picks: 16, 32, 64 tokens
+def test_store_real_size_gpu(preset, dtype, n):
     layout = make_layout(preset, 8, 128)
-    n = 8192 + 5
     key, value, slots = _inputs(n, layout, dtype, device="cuda")
     got = layout.allocate((n + 20) // 16 + 1, "cuda").fill_(0x5A)
     want = got.cpu()
@@ -163,9 +163,9 @@ def test_store_real_size_gpu(preset, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", PRESETS)
-def test_store_format_options_real_size_gpu(preset):
+@pytest.mark.parametrize("n", [7, 29, 8192 + 5])
+def test_store_format_options_real_size_gpu(preset, n):
     layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
-    n = 8192 + 5
     key, value, slots = _inputs(n, layout, torch.bfloat16, device="cuda")
     mu = _key_mean(layout, "cuda")
     key = (key.float() + mu).to(torch.bfloat16)

@@ -277,10 +277,11 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
     # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
     # D=128); decode steps (a few tokens) take the smallest tile that holds them.
     block_t = min(64 if d <= 128 else 32, max(16, next_pow2(n)))
-    # 8 warps also for a decode step's <= 16 tokens: each warp's share of the serial work halves
-    # (H200, one token per sequence, 4bit plain B=1/16: 16.7 -> 13.2 / 13.0 -> 11.1 us, with key
-    # centering + value rotation 19.4 -> 13.6 / 14.8 -> 11.4; k8v4 too: eval/results/gpu_checks/session8)
-    num_warps = 8 if block_t >= 64 or block_t <= 16 else 4
+    # 8 warps for every tile: each warp's share of the serial work halves (H200, one token per
+    # sequence, 4bit plain B=1/16: 16.7 -> 13.2 / 13.0 -> 11.1 us, with key centering + value rotation
+    # 19.4 -> 13.6 / 14.8 -> 11.4; 17-32 tokens 25.4 -> 16.6 us, levers 45.3 -> 17.7:
+    # eval/results/gpu_checks/session8, calls 9-10)
+    num_warps = 8
     if not _tuned_for_gpu(pool.device):
         block_t, num_warps = 16, 4
     tuning = tuning or {}
