@@ -87,6 +87,16 @@ def lloyd_max(head_dim: int, bits: int, device: torch.device | str = "cpu") -> C
 
 
 @functools.lru_cache(maxsize=None)
+def is_symmetric(head_dim: int, bits: int) -> bool:
+    """Whether the codebook is exactly symmetric in float32 (c[L-1-n] == -c[n], middle boundary 0),
+    which lets the store kernel bucket a coordinate by its magnitude and sign (computed on the CPU
+    once per shape: no device sync in a decode step)."""
+    book = _lloyd_max_cpu(head_dim, bits)
+    c, b = book.centroids, book.boundaries
+    return bool(torch.equal(c.flip(0), -c) and torch.equal(b.flip(0), -b) and b[b.numel() // 2] == 0)
+
+
+@functools.lru_cache(maxsize=None)
 @_ordinary_tensors
 def _on_device(book: Codebook, device: str) -> Codebook:
     return Codebook(book.centroids.to(device), book.boundaries.to(device))
