@@ -260,7 +260,7 @@ def test_exact_prefix_mutations_are_detected():
         return reference.paged_attention(q, pool, layout, table, seq, scale, kv_start=kv_start, **kw, **kwargs)
 
     assert rel_error(got, ref()) <= 1e-3
-    rv = reference.value_rotation_matrix(layout.config, 64)
+    rv = reference.value_rotation_matrix(layout.config, 64).to(DEVICE)
     mutants = {"prefix ignored": ref(None, None), "mean added to exact keys": ref(pk + kw["key_offset"][None, :, None]),
                "exact values rotated": ref(prefix_values=pv @ rv)}
     for name, mutant in mutants.items():
@@ -286,18 +286,18 @@ def test_exact_buffers_reject_bad_inputs(kind, letter, limit):
         call(k, v[:, :1])
     bad_len = limit + 1 if kind == "prefix" else 0
     with pytest.raises(ValueError, match=f"1 <= {letter} <= {limit}"):
-        call(torch.zeros(1, 2, bad_len, 64), torch.zeros(1, 2, bad_len, 64))
+        call(torch.zeros(1, 2, bad_len, 64, device=DEVICE), torch.zeros(1, 2, bad_len, 64, device=DEVICE))
     with pytest.raises(ValueError, match="same shape"):
         call(k, v[:, :, :3])
     with pytest.raises(TypeError, match=f"{kn} has dtype"):
         call(k.double(), v)
     with pytest.raises(ValueError, match="contiguous in its last"):
-        call(torch.zeros(1, 2, 4 if kind == "prefix" else 8, 128)[..., ::2], v)
+        call(torch.zeros(1, 2, 4 if kind == "prefix" else 8, 128, device=DEVICE)[..., ::2], v)
     if kind == "prefix":
         with pytest.raises(ValueError, match="prefix_keys must have 4 dimensions"):
             call(k[0], v)
         with pytest.raises(TypeError, match="prefix_values must be a torch.Tensor"):
-            call(k, v.numpy())
+            call(k, v.cpu().numpy())
     else:
         for bad in (-1, 2.0, True, torch.tensor(3)):
             with pytest.raises(ValueError, match="recent_from must be an int >= 0"):
