@@ -25,6 +25,8 @@ Packing of the codes inside one token's row (D = head_dim):
     nibble, so the two nibble halves feed two half-width dot products without shuffles.
   * 3-bit: a little-endian bit stream; code i occupies bits [3i, 3i+3) and may straddle bytes.
   * 8-bit (FP8 keys): one float8_e4m3fn byte per coordinate.
+Codebook key codes name a centroid through reference.stored_codes: 4-bit keys are sign-magnitude
+(bit 3 set for the negative half, low 3 bits the magnitude rank), 3-bit keys the level itself.
 
 Metadata meaning:
   * key_scale: codebook keys: the RMS of the key divided by the RMS of its codebook vector
