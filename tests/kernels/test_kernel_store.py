@@ -44,7 +44,7 @@ def test_store_bytes_match_reference(preset, head_dim, dtype, block_size):
     num_blocks = (n + 20) // block_size + 1
     got = layout.allocate(num_blocks, DEVICE)
     got.fill_(0xA5)  # poison: every byte the kernel should write is compared
-    want = got.cpu()
+    want = got.to("cpu", copy=True)  # a copy also when got is on the CPU
     store_kv(got, layout, key, value, slots)
     # the spec on CPU (on CUDA, torch's division by a Python scalar multiplies by the reciprocal and can
     # round a value code differently: this test failed that way when run on an H200)
@@ -157,7 +157,7 @@ def test_store_real_size_gpu(preset, dtype, n):
     layout = make_layout(preset, 8, 128)
     key, value, slots = _inputs(n, layout, dtype, device="cuda")
     got = layout.allocate((n + 20) // 16 + 1, "cuda").fill_(0x5A)
-    want = got.cpu()
+    want = got.to("cpu", copy=True)  # a copy also when got is on the CPU
     store_kv(got, layout, key, value, slots)
     # the spec runs on CPU: torch's CUDA division by a Python scalar multiplies by its reciprocal,
     # so reference.store on CUDA tensors can round a value scale differently from the spec
@@ -176,11 +176,27 @@ def test_store_format_options_real_size_gpu(preset, n):
     mu = _key_mean(layout, "cuda")
     key = (key.float() + mu).to(torch.bfloat16)
     got = layout.allocate((n + 20) // 16 + 1, "cuda").fill_(0x5A)
-    want = got.cpu()
+    want = got.to("cpu", copy=True)  # a copy also when got is on the CPU
     store_kv(got, layout, key, value, slots, key_offset=mu)
     reference.store(want, layout, key.cpu(), value.cpu(), slots.cpu(), key_offset=mu.cpu())
     flips = compare_pools(got.cpu(), want, layout, key.cpu().float() - mu.cpu(), slots.cpu(), value=value.cpu())
     print(f"{preset} options N={n}: {flips} boundary code flips of {n * 8 * 128}")
+
+
+def test_store_without_the_symmetric_bucketing_matches_reference(monkeypatch):
+    """The 15-compare bucketing + remap the store falls back to for a codebook that is not exactly
+    symmetric in fp32 (none of the Lloyd-Max codebooks so far): the same bytes as the spec."""
+    from tq_hf.kernels import store as store_kernel
+
+    monkeypatch.setattr(store_kernel, "is_symmetric", lambda head_dim, bits: False)
+    layout = make_layout("4bit", 3, 64)
+    n = 37
+    key, value, slots = _inputs(n, layout, torch.float16)
+    got = layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5)
+    want = got.to("cpu", copy=True)  # a copy also when got is on the CPU
+    store_kv(got, layout, key, value, slots)
+    reference.store(want, layout, key.cpu(), value.cpu(), slots.cpu())
+    compare_pools(got.cpu(), want, layout, key.cpu(), slots.cpu())
 
 
 @triton.jit
