@@ -412,7 +412,8 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("4bit", 4, 1, True, 128, None),  # mid batch: 2-warp programs on 128-token tiles (decode_variants/warps_session8)
     ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
-    ("k8v4", 16, 1, False, 128, None),  # FP8 keys need no lookup
+    ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
+    ("k8v4", 4, 1, False, 128, None),
     ("k3v4", 16, 1, False, 128, None),  # 3-bit codes are not nibbles
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
@@ -423,7 +424,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
-    if head_dim != 128:  # measured slower at head_dim 64 (9/3/64): the gather and the old tiles
+    if head_dim != 128:  # measured slower at head_dim 64 (9/3/64): the gather and the old tiles; FP8 uncapped
         lookup, maxnreg = False, None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
@@ -506,6 +507,15 @@ def test_decode_key_lookup_variants_gpu(tuning):
     layout = make_layout("4bit", 8, 128)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)
+
+
+@pytest.mark.gpu
+def test_decode_fp8_keys_batch_filling_the_gpu_gpu():
+    """k8v4 at 16 rows x 8 KV heads (the 128-register branch) with its preset's levers: value rotation, the
+    exact prefix and ring."""
+    layout = make_layout("k8v4", 8, 128, value_rotation=True)
+    lens = [8192 - 37 * i for i in range(16)]
+    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
 
 
 @pytest.mark.gpu

@@ -960,6 +960,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
             block_n, maxnreg = 128, 128
+        elif cfg.key_bits == 8 and d == 128 and batch_fills_gpu:
+            # FP8 keys likewise in 128 registers: with value rotation the epilogue took 184 (253 with the
+            # exact prefix and ring), 2 programs per SM. H200, k8v4 B=16 S=32k: plain 0.2905 -> 0.2853 ms,
+            # value rotation 0.4225 -> 0.3001, the preset's defaults 0.4348 -> 0.3659; outputs bit-identical
+            # (eval/results/gpu_checks/session9/call8)
+            maxnreg = 128
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch (2-8 sequences of 8 KV heads): 2-warp programs on 128-token tiles, twice the
             # splits below (the same warps per SM). H200, S=32k plain 4bit, B=2/4/8: 0.0557 -> 0.0550,
