@@ -169,6 +169,51 @@ def test_pack_3bit_matches_naive_bit_stream(dim):
     assert torch.equal(ref.unpack_codes(packed, 3, dim), codes)
 
 
+def _pack_key_planes_naive(codes: list[int]) -> list[int]:
+    """layout.py's 3-bit key planes, one bit at a time: coordinate c * J + j (J = D/8) puts code
+    bits 0-2 at bits 4*(c % 2) + (0..2) of byte j of plane c // 2 for c < 6; code 6 (7) puts its bit k
+    at bit 3 (7) of byte j of plane k."""
+    j_count = len(codes) // 8
+    out = [0] * (3 * j_count)
+    for i, code in enumerate(codes):
+        c, j = divmod(i, j_count)
+        for bit in range(3):
+            if not (code >> bit) & 1:
+                continue
+            if c < 6:
+                out[(c // 2) * j_count + j] |= 1 << (4 * (c % 2) + bit)
+            else:
+                out[bit * j_count + j] |= 1 << (3 + 4 * (c - 6))
+    return out
+
+
+@pytest.mark.parametrize("dim", [32, 96, 128, 256])
+def test_pack_3bit_keys_matches_naive_planes(dim):
+    codes = torch.randint(0, 8, (5, dim))
+    packed = ref.pack_key_codes(codes, 3)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
+    for row in range(5):
+        assert packed[row].tolist() == _pack_key_planes_naive(codes[row].tolist())
+    assert torch.equal(ref.unpack_key_codes(packed, 3, dim), codes)
+
+
+def test_pack_3bit_keys_known_bytes():
+    one = torch.zeros(16, dtype=torch.int64)  # J = 2: planes of 2 bytes
+    one[2] = 5  # coordinate 2 = (c 1, j 0): the high nibble of byte 0 of plane 0
+    assert ref.pack_key_codes(one, 3).tolist() == [0x50, 0, 0, 0, 0, 0]
+    one.zero_()
+    one[13] = 6  # coordinate 13 = (c 6, j 1): bits 1, 2 of code 6 -> bit 3 of byte 1 of planes 1, 2
+    assert ref.pack_key_codes(one, 3).tolist() == [0, 0, 0, 0x08, 0, 0x08]
+    one.zero_()
+    one[14] = 7  # coordinate 14 = (c 7, j 0): bit 7 of byte 0 of every plane
+    assert ref.pack_key_codes(one, 3).tolist() == [0x80, 0, 0x80, 0, 0x80, 0]
+    # the other widths pack keys as pack_codes does
+    for bits in (4, 8):
+        codes = torch.randint(0, 1 << bits, (3, 64))
+        assert torch.equal(ref.pack_key_codes(codes, bits), ref.pack_codes(codes, bits))
+        assert torch.equal(ref.unpack_key_codes(ref.pack_key_codes(codes, bits), bits, 64), codes)
+
+
 def test_pack_4bit_split_half_known_bytes():
     codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
     # byte j = code[j] | code[j + D/2] << 4
@@ -205,7 +250,7 @@ def test_stored_codes_name_their_levels(preset, head_dim):
     u = k.double() / k.double().abs().amax(-1, keepdim=True)
     y = (u @ codec.rotation.double().T) / u.square().mean(-1, keepdim=True).sqrt()
     levels = torch.bucketize(y, codec.boundaries.double())
-    stored = ref.unpack_codes(packed, cfg.key_bits, head_dim)
+    stored = ref.unpack_key_codes(packed, cfg.key_bits, head_dim)
     near = (y[..., None] - codec.boundaries.double()).abs().amin(-1) < 1e-5  # float32 vs float64 ties
     assert torch.equal(stored[~near], codes[levels][~near])
     got = ref.dequantize_keys(packed, scale, cfg, head_dim)
