@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_hf import reference as ref
+from tq_hf.layout import key_planes
 from tq_hf.codebook import codebook_mse
 from tq_hf.config import PRESETS, TurboQuantConfig
 from tq_hf.layout import BlockLayout
@@ -187,31 +188,42 @@ def _pack_key_planes_naive(codes: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("dim", [32, 96, 128, 256])
-def test_pack_3bit_keys_matches_naive_planes(dim):
+@pytest.mark.parametrize("dim", [32, 64, 96, 128, 256])
+def test_pack_3bit_keys_matches_naive_planes_or_stream(dim):
+    """3-bit keys: code planes at head_dim 128/256 (layout.key_planes), the values' bit stream otherwise."""
     codes = torch.randint(0, 8, (5, dim))
     packed = ref.pack_key_codes(codes, 3)
     assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
+    planes = dim in (128, 256)
+    assert key_planes(3, dim) == planes and not key_planes(4, dim)
     for row in range(5):
-        assert packed[row].tolist() == _pack_key_planes_naive(codes[row].tolist())
+        want = _pack_key_planes_naive(codes[row].tolist()) if planes else _pack_bits_naive(codes[row].tolist(), 3)
+        assert packed[row].tolist() == want
     assert torch.equal(ref.unpack_key_codes(packed, 3, dim), codes)
 
 
 def test_pack_3bit_keys_known_bytes():
-    one = torch.zeros(16, dtype=torch.int64)  # J = 2: planes of 2 bytes
-    one[2] = 5  # coordinate 2 = (c 1, j 0): the high nibble of byte 0 of plane 0
-    assert ref.pack_key_codes(one, 3).tolist() == [0x50, 0, 0, 0, 0, 0]
+    j = 16  # head_dim 128: planes of 16 bytes
+    one = torch.zeros(128, dtype=torch.int64)
+    one[j] = 5  # coordinate 16 = (c 1, j 0): the high nibble of byte 0 of plane 0
+    want = [0] * 48
+    want[0] = 0x50
+    assert ref.pack_key_codes(one, 3).tolist() == want
     one.zero_()
-    one[13] = 6  # coordinate 13 = (c 6, j 1): bits 1, 2 of code 6 -> bit 3 of byte 1 of planes 1, 2
-    assert ref.pack_key_codes(one, 3).tolist() == [0, 0, 0, 0x08, 0, 0x08]
+    one[6 * j + 1] = 6  # (c 6, j 1): bits 1, 2 of code 6 -> bit 3 of byte 1 of planes 1, 2
+    want = [0] * 48
+    want[j + 1] = want[2 * j + 1] = 0x08
+    assert ref.pack_key_codes(one, 3).tolist() == want
     one.zero_()
-    one[14] = 7  # coordinate 14 = (c 7, j 0): bit 7 of byte 0 of every plane
-    assert ref.pack_key_codes(one, 3).tolist() == [0x80, 0, 0x80, 0, 0x80, 0]
+    one[7 * j] = 7  # (c 7, j 0): bit 7 of byte 0 of every plane
+    want = [0] * 48
+    want[0] = want[j] = want[2 * j] = 0x80
+    assert ref.pack_key_codes(one, 3).tolist() == want
     # the other widths pack keys as pack_codes does
     for bits in (4, 8):
-        codes = torch.randint(0, 1 << bits, (3, 64))
+        codes = torch.randint(0, 1 << bits, (3, 128))
         assert torch.equal(ref.pack_key_codes(codes, bits), ref.pack_codes(codes, bits))
-        assert torch.equal(ref.unpack_key_codes(ref.pack_key_codes(codes, bits), bits, 64), codes)
+        assert torch.equal(ref.unpack_key_codes(ref.pack_key_codes(codes, bits), bits, 128), codes)
 
 
 def test_pack_4bit_split_half_known_bytes():

@@ -23,8 +23,10 @@ With T in {16, 32, 64} every region starts on a 32-byte boundary.
 Packing of the codes inside one token's row (D = head_dim):
   * 4-bit ("split-half"): byte j holds code j in its low nibble and code j + D/2 in its high
     nibble, so the two nibble halves feed two half-width dot products without shuffles.
-  * 3-bit values: a little-endian bit stream; code i occupies bits [3i, 3i+3) and may straddle bytes.
-  * 3-bit keys (reference.pack_key_codes): three byte planes of J = D/8 bytes. With p_c the code of
+  * 3-bit values, and 3-bit keys at other head_dims: a little-endian bit stream; code i occupies
+    bits [3i, 3i+3) and may straddle bytes.
+  * 3-bit keys at head_dim 128 and 256 (key_planes below, reference.pack_key_codes): three byte planes of
+    J = D/8 bytes. With p_c the code of
     coordinate c*J + j, byte j of plane k (k = 0, 1, 2) holds p_2k in bits 0-2, p_2k+1 in bits 4-6,
     bit k of p_6 in bit 3 and bit k of p_7 in bit 7. So bits 0-2 and 4-6 of a byte are two codes,
     and (plane0 >> 3 & 0x11) | (plane1 >> 2 & 0x22) | (plane2 >> 1 & 0x44) two more: the decode
@@ -49,6 +51,13 @@ from .config import METADATA_FIELDS, TurboQuantConfig
 
 KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
 METADATA_DTYPE = torch.bfloat16
+
+
+def key_planes(bits: int, head_dim: int) -> bool:
+    """Whether keys of this width and head_dim are stored as code planes (above): 3-bit keys whose
+    planes fill an MMA's K (D/8 = 16 or 32); other 3-bit keys stay a bit stream."""
+    return bits == 3 and head_dim // 8 in (16, 32)
+
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 
 from .codebook import _ordinary_tensors, lloyd_max, rotation_matrix
 from .config import TurboQuantConfig
-from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout
+from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -81,11 +81,12 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def pack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Key codes [..., D] -> [..., D * bits / 8] uint8. 3-bit keys in three byte planes (layout.py),
-    so a decode kernel turns each byte into two codes' lookups without crossing bytes; else pack_codes."""
-    if bits != 3:
-        return pack_codes(codes, bits)
+    """Key codes [..., D] -> [..., D * bits / 8] uint8. 3-bit keys at D = 128/256 in three byte planes
+    (layout.py), so a decode kernel turns each byte into two codes' lookups without crossing bytes;
+    else pack_codes."""
     d = codes.shape[-1]
+    if not key_planes(bits, d):
+        return pack_codes(codes, bits)
     p = codes.to(torch.int32).unflatten(-1, (8, d // 8))  # p[..., c, j]: coordinate c * D/8 + j
     planes = [p[..., 2 * k, :] | (p[..., 2 * k + 1, :] << 4) | (((p[..., 6, :] >> k) & 1) << 3)
               | (((p[..., 7, :] >> k) & 1) << 7) for k in range(3)]
@@ -94,7 +95,7 @@ def pack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Inverse of pack_key_codes: [..., dim * bits / 8] uint8 -> [..., dim] int64 codes."""
-    if bits != 3:
+    if not key_planes(bits, dim):
         return unpack_codes(packed, bits, dim)
     b = packed.to(torch.int64).unflatten(-1, (3, dim // 8))  # b[..., k, j]: plane k
     spare6 = sum(((b[..., k, :] >> 3) & 1) << k for k in range(3))

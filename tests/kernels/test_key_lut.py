@@ -71,7 +71,7 @@ def _spare_codes(p0: int, p1: int, p2: int) -> int:
     return ((p0 >> 3) & 0x11111111) | ((p1 >> 2) & 0x22222222) | ((p2 >> 1) & 0x44444444)
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("head_dim", [128, 256])
 def test_every_3bit_key_plane_byte_becomes_its_centroids(head_dim):
     """3-bit keys (layout.py's planes), through the emulated asm: each plane's low/high codes, and
     codes 6/7 gathered from the spare bits as the kernel does, come out as the bit-exact fp16

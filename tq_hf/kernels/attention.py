@@ -52,7 +52,7 @@ import triton.runtime.errors
 import triton.language as tl
 
 from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
-from ..layout import BlockLayout
+from ..layout import BlockLayout, key_planes
 from ._common import (
     ACTIVATION_DTYPES,
     check_key_offset,
@@ -140,25 +140,6 @@ def _spare_codes(p0, p1, p2):
     4-6) of coordinates 6J + j and 7J + j, gathered from the planes' spare bits 3 and 7. Integer ops,
     which Triton moves into the MMA operand layout with the loads (a multi-input asm it would not)."""
     return ((p0 >> 3) & 0x11) | ((p1 >> 2) & 0x22) | ((p2 >> 1) & 0x44)
-
-
-@triton.jit
-def _unpack3_key_planes(plane, row_off, tok_ok, i, D: tl.constexpr):
-    """3-bit key planes -> int32 codes [BLOCK_N, DP] in coordinate order, for head_dims whose planes
-    are not MMA-sized (D/8 not a power of two >= 16): each coordinate reads its byte of all 3 planes."""
-    J: tl.constexpr = D // 8  # i: the columns, arange(DP)
-    c = i // J
-    j = i % J
-    m = tok_ok[:, None] & (i[None, :] < D)
-    ptr = plane[:, None] + row_off[:, None] + j[None, :]
-    p0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
-    p1 = tl.load(ptr + J, mask=m, other=0).to(tl.int32)
-    p2 = tl.load(ptr + 2 * J, mask=m, other=0).to(tl.int32)
-    byte = tl.where((c < 2)[None, :], p0, tl.where((c < 4)[None, :], p1, p2))
-    nib = (byte >> (4 * (c % 2))[None, :]) & 7
-    sh = (3 + 4 * (c - 6))[None, :]
-    spare = ((p0 >> sh) & 1) | (((p1 >> sh) & 1) << 1) | (((p2 >> sh) & 1) << 2)
-    return tl.where((c < 6)[None, :], nib, spare)
 
 
 @triton.jit
@@ -361,7 +342,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             s = tl.dot(qp[6], tl.trans(tl.gather(table, (p67 & 7).to(tl.int32), 1)), s)
             s = tl.dot(qp[7], tl.trans(tl.gather(table, (p67 >> 4).to(tl.int32), 1)), s)
     elif KEY_BITS == 3:
-        kc = _unpack3_key_planes(plane, off * KB, tok_ok, dc, D)
+        kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
         k = tl.gather(table, kc, 1)
         s = tl.dot(q16, tl.trans(k))
     else:
@@ -1026,8 +1007,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
     # 3-bit codebook keys as 8 code planes (layout.py) where a plane fills an MMA's K (D/8 = 16 or 32),
     # decoded by key_lut.py's byte permutes under the same conditions as the 4-bit lookup
-    key_planes = cfg.uses_codebook and cfg.key_bits == 3 and d in (128, 256)
-    words3 = config_lut3_words(cfg, d) if key_planes and decode and _runs_ptx(pool.device) and wants_lut else None
+    use_planes = cfg.uses_codebook and key_planes(cfg.key_bits, d)
+    words3 = config_lut3_words(cfg, d) if use_planes and decode and _runs_ptx(pool.device) and wants_lut else None
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
@@ -1131,7 +1112,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
-        KEY_PLANES=key_planes,
+        KEY_PLANES=use_planes,
         META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codebook import is_symmetric
-from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
 from ._common import (
     ACTIVATION_DTYPES,
     bf16_bits_to_f32,
@@ -105,7 +105,7 @@ def _bucket_sign_magnitude(y, bnd_ptr, cent_ptr, NC: tl.constexpr):
 
 @triton.jit
 def _store3(ptr, codes, mask, BLOCK_T: tl.constexpr, GP: tl.constexpr):
-    """Pack int32 codes [BLOCK_T, 8 * GP] as the 3-bit little-endian stream (values): 8 codes -> 3 bytes
+    """Pack int32 codes [BLOCK_T, 8 * GP] as the 3-bit little-endian stream: 8 codes -> 3 bytes
     at ptr [BLOCK_T, GP] (byte pointers of each group's first byte)."""
     phase = tl.arange(0, 8)
     word = tl.sum(tl.reshape(codes, (BLOCK_T, GP, 8)) << (3 * phase)[None, None, :], axis=2)
@@ -134,6 +134,7 @@ def _store_kernel(
     N, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
     KP: tl.constexpr,  # next_pow2(3 D / 8): the bytes of a 3-bit key row, padded
+    KEY_PLANES: tl.constexpr,  # 3-bit keys as code planes (layout.key_planes)
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -192,7 +193,7 @@ def _store_kernel(
                     c_hi = tl.where(c_hi >= 8, c_hi - 8, 15 - c_hi)
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
-            else:  # 3-bit: three byte planes (layout.py); byte b = j of plane k, J = D/8
+            elif KEY_PLANES:  # 3-bit at D = 128/256: three byte planes (layout.py); byte b = j of plane k, J = D/8
                 J: tl.constexpr = D // 8
                 bb = tl.arange(0, KP)
                 pk = bb // J
@@ -210,6 +211,10 @@ def _store_kernel(
                               + tl.where((bb < J)[None, :], v_6 * v_6 + v_7 * v_7, 0.0), axis=1)
                 byte = c_lo | (c_hi << 4) | (((c_6 >> pk[None, :]) & 1) << 3) | (((c_7 >> pk[None, :]) & 1) << 7)
                 tl.store(plane[:, None] + off[:, None] * KB + bb[None, :], byte.to(tl.uint8), mask=ok[:, None] & bok[None, :])
+            else:  # other 3-bit keys: a little-endian bit stream, 8 codes -> 3 bytes
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+                csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
+                _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
             scale = amax * rms_u
             if NORM_CORRECTION:
                 scale = tl.math.div_rn(scale, tl.sqrt_rn(tl.math.div_rn(csum, D * 1.0)))
@@ -340,6 +345,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(
             D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8), KP=next_pow2(3 * d // 8),
+            KEY_PLANES=key_planes(cfg.key_bits, d) and cfg.uses_codebook,
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
