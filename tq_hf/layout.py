@@ -53,11 +53,13 @@ KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
 METADATA_DTYPE = torch.bfloat16
 
 
-def key_planes(bits: int, head_dim: int) -> bool:
-    """Whether keys of this width and head_dim are stored as code planes (above): 3-bit keys whose
-    planes fill an MMA's K (D/8 = 16 or 32); other 3-bit keys stay a bit stream."""
-    return bits == 3 and head_dim // 8 in (16, 32)
-
+def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
+    """Whether this format stores its keys as code planes (above): 3-bit codebook keys whose planes
+    fill an MMA's K (D/8 = 16 or 32), next to 4-bit values. With 3-bit values the planes' eight dots
+    measured slower (H200, S=32k 32/8/128, 3bit decode B=1/16 +19%/+7%: register spills), and at
+    other head_dims the per-coordinate plane reads (9/3/64 k3v4 +48%): those keep the bit stream."""
+    return (config.uses_codebook and config.key_bits == 3 and config.value_bits == 4
+            and head_dim // 8 in (16, 32))
 
 
 @dataclass(frozen=True)

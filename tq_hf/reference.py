@@ -80,22 +80,24 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     raise ValueError(f"cannot unpack {bits}-bit codes; supported: 3, 4, 8")
 
 
-def pack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Key codes [..., D] -> [..., D * bits / 8] uint8. 3-bit keys at D = 128/256 in three byte planes
-    (layout.py), so a decode kernel turns each byte into two codes' lookups without crossing bytes;
-    else pack_codes."""
+def pack_key_codes(codes: torch.Tensor, bits: int, planes: bool) -> torch.Tensor:
+    """Key codes [..., D] -> [..., D * bits / 8] uint8: with `planes` (layout.key_planes) 3-bit codes in
+    three byte planes (layout.py), so a decode kernel turns each byte into two codes' lookups without
+    crossing bytes; else pack_codes."""
     d = codes.shape[-1]
-    if not key_planes(bits, d):
+    if not planes:
         return pack_codes(codes, bits)
+    if bits != 3 or d // 8 not in (16, 32):
+        raise ValueError(f"key code planes hold 3-bit codes of head_dim 128 or 256, got {bits}-bit, head_dim {d}")
     p = codes.to(torch.int32).unflatten(-1, (8, d // 8))  # p[..., c, j]: coordinate c * D/8 + j
     planes = [p[..., 2 * k, :] | (p[..., 2 * k + 1, :] << 4) | (((p[..., 6, :] >> k) & 1) << 3)
               | (((p[..., 7, :] >> k) & 1) << 7) for k in range(3)]
     return torch.cat(planes, -1).to(torch.uint8)
 
 
-def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int, planes: bool) -> torch.Tensor:
     """Inverse of pack_key_codes: [..., dim * bits / 8] uint8 -> [..., dim] int64 codes."""
-    if not key_planes(bits, dim):
+    if not planes:
         return unpack_codes(packed, bits, dim)
     b = packed.to(torch.int64).unflatten(-1, (3, dim // 8))  # b[..., k, j]: plane k
     spare6 = sum(((b[..., k, :] >> 3) & 1) << k for k in range(3))
@@ -175,7 +177,7 @@ def quantize_keys(
     scale = amax * rms_u
     if config.norm_correction:
         scale = scale / codec.centroids[idx].square().mean(-1).sqrt()
-    return pack_key_codes(codec.codes[idx], config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
+    return pack_key_codes(codec.codes[idx], config.key_bits, key_planes(config, x.shape[-1])), bf16_round(scale).to(METADATA_DTYPE)
 
 
 def dequantize_keys(
@@ -190,7 +192,7 @@ def dequantize_keys(
         k = codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
     else:
         codec = key_codec(config, head_dim, str(codes.device))
-        c = codec.code_centroids[unpack_key_codes(codes, config.key_bits, head_dim)]
+        c = codec.code_centroids[unpack_key_codes(codes, config.key_bits, head_dim, key_planes(config, head_dim))]
         k = (c @ codec.rotation) * scale.float()[..., None]
     return k if offset is None else k + offset.float()
 

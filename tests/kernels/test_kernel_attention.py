@@ -126,7 +126,7 @@ def test_per_row_key_offset_matches_reference(preset, q_len, num_splits):
 
 
 @pytest.mark.parametrize("preset,head_dim,q_len,num_splits,options", [
-    ("k3v4", 128, 1, 3, False), ("3bit", 128, 6, 1, True), ("k3v4", 256, 1, 2, True),
+    ("k3v4", 128, 1, 3, False), ("k3v4", 128, 6, 1, True), ("k3v4", 256, 1, 2, True),
 ])
 def test_three_bit_key_planes(preset, head_dim, q_len, num_splits, options):
     """3-bit keys at head_dim 128/256 score one code plane (layout.py) at a time: 8 dots of D/8
@@ -427,7 +427,8 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
     ("k8v4", 4, 1, False, 128, None),
     ("k3v4", 16, 1, True, 128, None),  # 3-bit keys: the lookup reads the code planes (layout.py)
-    ("3bit", 1, 1, True, 128, None),
+    ("k3v4", 1, 1, True, 128, None),
+    ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
@@ -443,7 +444,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
-    three = preset in ("k3v4", "3bit")
+    three = preset == "k3v4"
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128

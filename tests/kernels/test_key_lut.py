@@ -85,8 +85,8 @@ def test_every_3bit_key_plane_byte_becomes_its_centroids(head_dim):
     codes = torch.randint(0, 8, (40, head_dim), generator=gen)
     codes[:8] = torch.arange(8)[:, None].expand(8, head_dim)  # every code in every coordinate
     codes[8:16] = (torch.arange(head_dim)[None, :] + torch.arange(8)[:, None]) % 8
-    planes = pack_key_codes(codes, 3).unflatten(-1, (3, j_count))  # [rows, plane, j]
-    want = unpack_key_codes(pack_key_codes(codes, 3), 3, head_dim).unflatten(-1, (8, j_count))  # [rows, c, j]
+    planes = pack_key_codes(codes, 3, True).unflatten(-1, (3, j_count))  # [rows, plane, j]
+    want = unpack_key_codes(pack_key_codes(codes, 3, True), 3, head_dim, True).unflatten(-1, (8, j_count))  # [rows, c, j]
     assert torch.equal(want.flatten(-2), codes)
     low, high = lut3_asm(words, high=False), lut3_asm(words, high=True)
     for row in range(codes.shape[0]):

@@ -1005,9 +1005,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # at B=16 S=32k, eval/results/kernels_bench_session4_lookup_d64.md); other head_dims are unmeasured
     wants_lut = tuning.get("key_lut", d == 128)
     words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
-    # 3-bit codebook keys as 8 code planes (layout.py) where a plane fills an MMA's K (D/8 = 16 or 32),
-    # decoded by key_lut.py's byte permutes under the same conditions as the 4-bit lookup
-    use_planes = cfg.uses_codebook and key_planes(cfg.key_bits, d)
+    # 3-bit codebook keys stored as 8 code planes (layout.key_planes): one dot per plane, decoded by
+    # key_lut.py's byte permutes under the same conditions as the 4-bit lookup
+    use_planes = key_planes(cfg, d)
     words3 = config_lut3_words(cfg, d) if use_planes and decode and _runs_ptx(pool.device) and wants_lut else None
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)

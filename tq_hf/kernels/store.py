@@ -345,7 +345,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(
             D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8), KP=next_pow2(3 * d // 8),
-            KEY_PLANES=key_planes(cfg.key_bits, d) and cfg.uses_codebook,
+            KEY_PLANES=key_planes(cfg, d),
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
