@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_hf import reference as ref
+from tq_hf.layout import key_planes
 from tq_hf.codebook import codebook_mse
 from tq_hf.config import PRESETS, TurboQuantConfig
 from tq_hf.layout import BlockLayout
@@ -169,6 +170,70 @@ def test_pack_3bit_matches_naive_bit_stream(dim):
     assert torch.equal(ref.unpack_codes(packed, 3, dim), codes)
 
 
+def _pack_key_planes_naive(codes: list[int]) -> list[int]:
+    """layout.py's 3-bit key planes, one bit at a time: coordinate c * J + j (J = D/8) puts code
+    bits 0-2 at bits 4*(c % 2) + (0..2) of byte j of plane c // 2 for c < 6; code 6 (7) puts its bit k
+    at bit 3 (7) of byte j of plane k."""
+    j_count = len(codes) // 8
+    out = [0] * (3 * j_count)
+    for i, code in enumerate(codes):
+        c, j = divmod(i, j_count)
+        for bit in range(3):
+            if not (code >> bit) & 1:
+                continue
+            if c < 6:
+                out[(c // 2) * j_count + j] |= 1 << (4 * (c % 2) + bit)
+            else:
+                out[bit * j_count + j] |= 1 << (3 + 4 * (c - 6))
+    return out
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_pack_3bit_keys_matches_naive_planes(dim):
+    codes = torch.randint(0, 8, (5, dim))
+    packed = ref.pack_key_codes(codes, 3, planes=True)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
+    for row in range(5):
+        assert packed[row].tolist() == _pack_key_planes_naive(codes[row].tolist())
+    assert torch.equal(ref.unpack_key_codes(packed, 3, dim, planes=True), codes)
+    stream = ref.pack_key_codes(codes, 3, planes=False)  # without planes: the values' bit stream
+    assert stream[0].tolist() == _pack_bits_naive(codes[0].tolist(), 3)
+    assert torch.equal(ref.unpack_key_codes(stream, 3, dim, planes=False), codes)
+
+
+def test_which_formats_store_key_planes():
+    """Code planes: 3-bit codebook keys with 4-bit values at head_dim 128/256 (layout.key_planes)."""
+    for preset, dims in (("k3v4", (128, 256)), ("3bit", ()), ("4bit", ()), ("k8v4", ())):
+        cfg = TurboQuantConfig.from_preset(preset, rotation="random")
+        assert [d for d in (32, 64, 96, 128, 192, 256) if key_planes(cfg, d)] == list(dims), preset
+    with pytest.raises(ValueError, match="planes hold 3-bit codes of head_dim 128 or 256"):
+        ref.pack_key_codes(torch.zeros(64, dtype=torch.int64), 3, planes=True)
+
+
+def test_pack_3bit_keys_known_bytes():
+    j = 16  # head_dim 128: planes of 16 bytes
+    one = torch.zeros(128, dtype=torch.int64)
+    one[j] = 5  # coordinate 16 = (c 1, j 0): the high nibble of byte 0 of plane 0
+    want = [0] * 48
+    want[0] = 0x50
+    assert ref.pack_key_codes(one, 3, planes=True).tolist() == want
+    one.zero_()
+    one[6 * j + 1] = 6  # (c 6, j 1): bits 1, 2 of code 6 -> bit 3 of byte 1 of planes 1, 2
+    want = [0] * 48
+    want[j + 1] = want[2 * j + 1] = 0x08
+    assert ref.pack_key_codes(one, 3, planes=True).tolist() == want
+    one.zero_()
+    one[7 * j] = 7  # (c 7, j 0): bit 7 of byte 0 of every plane
+    want = [0] * 48
+    want[0] = want[j] = want[2 * j] = 0x80
+    assert ref.pack_key_codes(one, 3, planes=True).tolist() == want
+    # the other widths pack keys as pack_codes does
+    for bits in (4, 8):
+        codes = torch.randint(0, 1 << bits, (3, 128))
+        assert torch.equal(ref.pack_key_codes(codes, bits, planes=False), ref.pack_codes(codes, bits))
+        assert torch.equal(ref.unpack_key_codes(ref.pack_key_codes(codes, bits, False), bits, 128, False), codes)
+
+
 def test_pack_4bit_split_half_known_bytes():
     codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
     # byte j = code[j] | code[j + D/2] << 4
@@ -205,7 +270,7 @@ def test_stored_codes_name_their_levels(preset, head_dim):
     u = k.double() / k.double().abs().amax(-1, keepdim=True)
     y = (u @ codec.rotation.double().T) / u.square().mean(-1, keepdim=True).sqrt()
     levels = torch.bucketize(y, codec.boundaries.double())
-    stored = ref.unpack_codes(packed, cfg.key_bits, head_dim)
+    stored = ref.unpack_key_codes(packed, cfg.key_bits, head_dim, key_planes(cfg, head_dim))
     near = (y[..., None] - codec.boundaries.double()).abs().amin(-1) < 1e-5  # float32 vs float64 ties
     assert torch.equal(stored[~near], codes[levels][~near])
     got = ref.dequantize_keys(packed, scale, cfg, head_dim)

@@ -28,7 +28,7 @@ import torch
 
 from .codebook import _ordinary_tensors, lloyd_max, rotation_matrix
 from .config import TurboQuantConfig
-from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout
+from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -78,6 +78,32 @@ def unpack_codes(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
         shifts = 3 * torch.arange(8, dtype=torch.int64, device=p.device)
         return ((word[..., None] >> shifts) & 7).flatten(-2)
     raise ValueError(f"cannot unpack {bits}-bit codes; supported: 3, 4, 8")
+
+
+def pack_key_codes(codes: torch.Tensor, bits: int, planes: bool) -> torch.Tensor:
+    """Key codes [..., D] -> [..., D * bits / 8] uint8: with `planes` (layout.key_planes) 3-bit codes in
+    three byte planes (layout.py), so a decode kernel turns each byte into two codes' lookups without
+    crossing bytes; else pack_codes."""
+    d = codes.shape[-1]
+    if not planes:
+        return pack_codes(codes, bits)
+    if bits != 3 or d // 8 not in (16, 32):
+        raise ValueError(f"key code planes hold 3-bit codes of head_dim 128 or 256, got {bits}-bit, head_dim {d}")
+    p = codes.to(torch.int32).unflatten(-1, (8, d // 8))  # p[..., c, j]: coordinate c * D/8 + j
+    planes = [p[..., 2 * k, :] | (p[..., 2 * k + 1, :] << 4) | (((p[..., 6, :] >> k) & 1) << 3)
+              | (((p[..., 7, :] >> k) & 1) << 7) for k in range(3)]
+    return torch.cat(planes, -1).to(torch.uint8)
+
+
+def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int, planes: bool) -> torch.Tensor:
+    """Inverse of pack_key_codes: [..., dim * bits / 8] uint8 -> [..., dim] int64 codes."""
+    if not planes:
+        return unpack_codes(packed, bits, dim)
+    b = packed.to(torch.int64).unflatten(-1, (3, dim // 8))  # b[..., k, j]: plane k
+    spare6 = sum(((b[..., k, :] >> 3) & 1) << k for k in range(3))
+    spare7 = sum(((b[..., k, :] >> 7) & 1) << k for k in range(3))
+    parts = [b[..., k, :] & 7 if h == 0 else (b[..., k, :] >> 4) & 7 for k in range(3) for h in range(2)]
+    return torch.cat(parts + [spare6, spare7], -1)
 
 
 # ---- the per-layer constants ---------------------------------------------------------------
@@ -151,7 +177,7 @@ def quantize_keys(
     scale = amax * rms_u
     if config.norm_correction:
         scale = scale / codec.centroids[idx].square().mean(-1).sqrt()
-    return pack_codes(codec.codes[idx], config.key_bits), bf16_round(scale).to(METADATA_DTYPE)
+    return pack_key_codes(codec.codes[idx], config.key_bits, key_planes(config, x.shape[-1])), bf16_round(scale).to(METADATA_DTYPE)
 
 
 def dequantize_keys(
@@ -166,7 +192,7 @@ def dequantize_keys(
         k = codes.contiguous().view(torch.float8_e4m3fn).float() * scale.float()[..., None]
     else:
         codec = key_codec(config, head_dim, str(codes.device))
-        c = codec.code_centroids[unpack_codes(codes, config.key_bits, head_dim)]
+        c = codec.code_centroids[unpack_key_codes(codes, config.key_bits, head_dim, key_planes(config, head_dim))]
         k = (c @ codec.rotation) * scale.float()[..., None]
     return k if offset is None else k + offset.float()
 

@@ -8,7 +8,7 @@ import torch
 
 from tq_hf import reference
 from tq_hf.config import TurboQuantConfig
-from tq_hf.layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout
+from tq_hf.layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_RTOL = 1e-5  # a code may differ only for a coordinate this close to a decision boundary
@@ -64,8 +64,8 @@ def compare_pools(got: torch.Tensor, want: torch.Tensor, layout: BlockLayout, ke
     blk, off = s // layout.block_size, s % layout.block_size
     d = layout.head_dim
     level = torch.argsort(reference.stored_codes(cfg.key_bits)).to(key.device)  # stored code -> level
-    codes_g = level[reference.unpack_codes(kc_g[blk, :, off], cfg.key_bits, d).long()]  # [n, H, D] levels
-    codes_w = level[reference.unpack_codes(kc_w[blk, :, off], cfg.key_bits, d).long()]
+    codes_g = level[reference.unpack_key_codes(kc_g[blk, :, off], cfg.key_bits, d, key_planes(cfg, d)).long()]  # [n, H, D] levels
+    codes_w = level[reference.unpack_key_codes(kc_w[blk, :, off], cfg.key_bits, d, key_planes(cfg, d)).long()]
     flips = codes_g != codes_w
     y = rotated_coordinates(key[keep], layout)
     bnd = reference.key_codec(cfg, d, str(key.device)).boundaries.double()

@@ -125,6 +125,18 @@ def test_per_row_key_offset_matches_reference(preset, q_len, num_splits):
         _check(layout, [37, 90], q_len, 4, key_offset=mu)  # 3 rows of means for 2 rows
 
 
+@pytest.mark.parametrize("preset,head_dim,q_len,num_splits,options", [
+    ("k3v4", 128, 1, 3, False), ("k3v4", 128, 6, 1, True), ("k3v4", 256, 1, 2, True),
+])
+def test_three_bit_key_planes(preset, head_dim, q_len, num_splits, options):
+    """3-bit keys at head_dim 128/256 score one code plane (layout.py) at a time: 8 dots of D/8
+    coordinates, the query rotated plane by plane (on the CPU the planes' codes are gathered; on a
+    GPU decode looks them up by key_lut.py's asm: the gpu tests)."""
+    layout = make_layout(preset, 2, head_dim, key_centering=options, value_rotation=options)
+    mu = torch.randn(2, head_dim, device=DEVICE) * 3 if options else None
+    _check(layout, [37, 70], q_len, 4, key_offset=mu, num_splits=num_splits, softcap=5.0 if options else None)
+
+
 @pytest.mark.parametrize("q_len,num_splits", [(1, 2), (6, 1)])
 def test_three_bit_rotations_at_an_odd_head_dim(q_len, num_splits):
     """3-bit keys rotate the query, and value_rotation rotates the output, in two column halves
@@ -414,7 +426,9 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
     ("k8v4", 4, 1, False, 128, None),
-    ("k3v4", 16, 1, False, 128, None),  # 3-bit codes are not nibbles
+    ("k3v4", 16, 1, True, 128, None),  # 3-bit keys: the lookup reads the code planes (layout.py)
+    ("k3v4", 1, 1, True, 128, None),
+    ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
@@ -430,11 +444,13 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
+    three = preset == "k3v4"
+    assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
-    # the metadata as token pairs and 3 pipeline stages: the lookup's decode when the batch leaves SMs free
-    pairs = lookup and head_dim == 128 and batch < 16
+    # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
+    pairs = lookup and head_dim == 128 and batch < 16 and not three
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs else 2), seen
     seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})

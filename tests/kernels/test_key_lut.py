@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from tq_hf.config import TurboQuantConfig
-from tq_hf.kernels.key_lut import CONSTRAINTS, config_lut_words, lut_asm, lut_words
-from tq_hf.reference import key_codec
+from tq_hf.kernels.key_lut import (CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm,
+                                   lut3_words, lut_asm, lut_words)
+from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
 
@@ -63,3 +64,51 @@ def test_only_symmetric_nonzero_codebooks_get_the_lookup():
     assert lut_words(torch.linspace(-1, 1, 8)) is None  # 3-bit keys keep the gather
     assert config_lut_words(TurboQuantConfig.from_preset("k3v4"), 128) is None
     assert config_lut_words(TurboQuantConfig.from_preset("k8v4"), 128) is None
+
+
+def _spare_codes(p0: int, p1: int, p2: int) -> int:
+    """attention._spare_codes on 4-byte words (its integer ops act bytewise, as here)."""
+    return ((p0 >> 3) & 0x11111111) | ((p1 >> 2) & 0x22222222) | ((p2 >> 1) & 0x44444444)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_every_3bit_key_plane_byte_becomes_its_centroids(head_dim):
+    """3-bit keys (layout.py's planes), through the emulated asm: each plane's low/high codes, and
+    codes 6/7 gathered from the spare bits as the kernel does, come out as the bit-exact fp16
+    centroids of the codes reference.unpack_key_codes reads, for every code in every position."""
+    cfg = TurboQuantConfig.from_preset("k3v4", rotation="random")
+    words = config_lut3_words(cfg, head_dim)
+    assert words is not None and CONSTRAINTS == "=r,=r,r"
+    cent = _fp16_bits(key_codec(cfg, head_dim, "cpu").code_centroids)
+    gen = torch.Generator().manual_seed(head_dim)
+    j_count = head_dim // 8
+    codes = torch.randint(0, 8, (40, head_dim), generator=gen)
+    codes[:8] = torch.arange(8)[:, None].expand(8, head_dim)  # every code in every coordinate
+    codes[8:16] = (torch.arange(head_dim)[None, :] + torch.arange(8)[:, None]) % 8
+    planes = pack_key_codes(codes, 3, True).unflatten(-1, (3, j_count))  # [rows, plane, j]
+    want = unpack_key_codes(pack_key_codes(codes, 3, True), 3, head_dim, True).unflatten(-1, (8, j_count))  # [rows, c, j]
+    assert torch.equal(want.flatten(-2), codes)
+    low, high = lut3_asm(words, high=False), lut3_asm(words, high=True)
+    for row in range(codes.shape[0]):
+        for j0 in range(0, j_count - 3, 4):
+            word = [sum(int(planes[row, k, j0 + i]) << (8 * i) for i in range(4)) for k in range(3)]
+            word.append(_spare_codes(*word))  # codes 6 (low nibbles) and 7 (high)
+            for c in range(8):
+                out = run(high if c % 2 else low, {2: word[c // 2]})
+                got = _halves(out[0]) + _halves(out[1])
+                exp = [cent[int(want[row, c, j0 + i])] for i in range(4)]
+                assert got == exp, f"head_dim {head_dim}, row {row}, code {c}, rows {j0}..{j0 + 3}: got {got}, want {exp}"
+
+
+def test_3bit_tables_take_any_8_finite_centroids():
+    skewed = torch.tensor([-2.0, -1.1, -0.5, -0.1, 0.0, 0.4, 1.0, 2.5])  # no symmetry, a zero: fine
+    words = lut3_words(skewed)
+    assert words is not None
+    bits = _fp16_bits(skewed)
+    for code in range(8):  # one byte of plane 0 whose low nibble is `code`
+        out = run(lut3_asm(words, high=False), {2: code})
+        assert _halves(out[0])[0] == bits[code]
+    assert lut3_words(torch.linspace(-1, 1, 16)) is None
+    assert lut3_words(torch.tensor([float("inf")] + [0.0] * 7)) is None
+    assert config_lut3_words(TurboQuantConfig.from_preset("4bit"), 128) is None
+    assert config_lut3_words(TurboQuantConfig.from_preset("k8v4"), 128) is None

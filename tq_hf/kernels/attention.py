@@ -52,7 +52,7 @@ import triton.runtime.errors
 import triton.language as tl
 
 from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
-from ..layout import BlockLayout
+from ..layout import BlockLayout, key_planes
 from ._common import (
     ACTIVATION_DTYPES,
     check_key_offset,
@@ -65,7 +65,7 @@ from ._common import (
     tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
 )
-from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut_words, lut_asm
+from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm, lut_asm
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, value_key
 from .reduce import reduce_site
@@ -132,6 +132,14 @@ def _unpack3(plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG
     word = b0 | (b1 << 8) | (b2 << 16)
     codes = (word[:, :, None] >> (3 * tl.arange(0, 8))[None, None, :]) & 7
     return tl.reshape(codes, (BLOCK_N, GP * 8))
+
+
+@triton.jit
+def _spare_codes(p0, p1, p2):
+    """Bytes j of the three 3-bit key planes (layout.py) -> one byte of codes 6 (bits 0-2) and 7 (bits
+    4-6) of coordinates 6J + j and 7J + j, gathered from the planes' spare bits 3 and 7. Integer ops,
+    which Triton moves into the MMA operand layout with the loads (a multi-input asm it would not)."""
+    return ((p0 >> 3) & 0x11) | ((p1 >> 2) & 0x22) | ((p2 >> 1) & 0x44)
 
 
 @triton.jit
@@ -264,13 +272,14 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
 
 @triton.jit
 def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-               bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu,
+               bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
                hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr,
                D: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                META: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
-               KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, VALUE_WORDS: tl.constexpr,
+               KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
+               VALUE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
@@ -301,6 +310,37 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
+    elif KEY_BITS == 3 and KEY_PLANES:  # qp[c]: the query's coordinates c * J + j, one dot per code plane
+        J: tl.constexpr = D // 8
+        jj = tl.arange(0, J)
+        if KEY_LUT:  # plane bytes loaded as [J, N], the MMA's B operand, decoded in its layout
+            kp = plane[None, :] + off[None, :] * KB + jj[:, None]
+            p0 = tl.load(kp, mask=tok_ok[None, :], other=0)
+            p1 = tl.load(kp + J, mask=tok_ok[None, :], other=0)
+            p2 = tl.load(kp + 2 * J, mask=tok_ok[None, :], other=0)
+            s = tl.dot(qp[0], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p0], dtype=tl.float16, is_pure=True, pack=4))
+            s = tl.dot(qp[1], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p0], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[2], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p1], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[3], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p1], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[4], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p2], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[5], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p2], dtype=tl.float16, is_pure=True, pack=4), s)
+            p67 = _spare_codes(p0, p1, p2)
+            s = tl.dot(qp[6], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p67], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[7], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p67], dtype=tl.float16, is_pure=True, pack=4), s)
+        else:
+            kp = plane[:, None] + off[:, None] * KB + jj[None, :]
+            p0 = tl.load(kp, mask=tok_ok[:, None], other=0)
+            p1 = tl.load(kp + J, mask=tok_ok[:, None], other=0)
+            p2 = tl.load(kp + 2 * J, mask=tok_ok[:, None], other=0)
+            p67 = _spare_codes(p0, p1, p2)
+            s = tl.dot(qp[0], tl.trans(tl.gather(table, (p0 & 7).to(tl.int32), 1)))
+            s = tl.dot(qp[1], tl.trans(tl.gather(table, (p0 >> 4).to(tl.int32) & 7, 1)), s)
+            s = tl.dot(qp[2], tl.trans(tl.gather(table, (p1 & 7).to(tl.int32), 1)), s)
+            s = tl.dot(qp[3], tl.trans(tl.gather(table, (p1 >> 4).to(tl.int32) & 7, 1)), s)
+            s = tl.dot(qp[4], tl.trans(tl.gather(table, (p2 & 7).to(tl.int32), 1)), s)
+            s = tl.dot(qp[5], tl.trans(tl.gather(table, (p2 >> 4).to(tl.int32) & 7, 1)), s)
+            s = tl.dot(qp[6], tl.trans(tl.gather(table, (p67 & 7).to(tl.int32), 1)), s)
+            s = tl.dot(qp[7], tl.trans(tl.gather(table, (p67 >> 4).to(tl.int32), 1)), s)
     elif KEY_BITS == 3:
         kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
         k = tl.gather(table, kc, 1)
@@ -399,7 +439,8 @@ def _attn_kernel(
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
     RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
-    KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # 4-bit codebook keys by key_lut.py's asm (else gathered)
+    KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
+    KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS decoded by value_nibbles.py's asm (else Triton integer ops)
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
 ):
@@ -458,6 +499,7 @@ def _attn_kernel(
     q_lo = 0.0
     q_hi = 0.0
     q16 = 0.0
+    qp = 0.0
     table = 0.0
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
         mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
@@ -479,6 +521,22 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
+    elif KEY_BITS == 3 and KEY_PLANES:
+        # the rotated query's coordinates c * J + j (j < J = D/8) for code plane c: q @ R[c*J : (c+1)*J]^T
+        J: tl.constexpr = D // 8
+        jj = tl.arange(0, J)
+        qp = ()
+        qmax = tl.zeros((BLOCK_M,), tl.float32)
+        for c in tl.static_range(8):
+            r_c = tl.load(rot_ptr + (c * J + jj)[None, :] * D + dc[:, None], mask=(dc[:, None] < D), other=0.0)
+            q_c = tl.dot(q, r_c, input_precision="tf32x3")
+            qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=1))
+            qp = qp + (q_c,)
+        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
+        qh = ()
+        for c in tl.static_range(8):
+            qh = qh + ((qp[c] / qdiv).to(tl.float16),)
+        qp = qh
     else:
         q_key = q  # the query in the keys' space
         if KEY_BITS == 3:
@@ -492,7 +550,7 @@ def _attn_kernel(
         row_scale = row_scale * 1.4426950408889634
         if HAS_KEY_OFFSET:
             row_off = q_mu * 1.4426950408889634
-    if KEY_BITS == 3 or (KEY_BITS == 4 and not KEY_LUT):
+    if not KEY_LUT and (KEY_BITS == 3 or KEY_BITS == 4):
         nc = tl.arange(0, NC)
         table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
 
@@ -531,16 +589,18 @@ def _attn_kernel(
     for t0 in range(head_end, body_end, BLOCK_N):
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, META_PAIRS, False)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PTX,
+            META_PAIRS, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, VALUE_WORDS, VALUE_PTX, META_PAIRS, True)
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PTX,
+            META_PAIRS, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -945,6 +1005,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # at B=16 S=32k, eval/results/kernels_bench_session4_lookup_d64.md); other head_dims are unmeasured
     wants_lut = tuning.get("key_lut", d == 128)
     words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
+    # 3-bit codebook keys stored as 8 code planes (layout.key_planes): one dot per plane, decoded by
+    # key_lut.py's byte permutes under the same conditions as the 4-bit lookup
+    use_planes = key_planes(cfg, d)
+    words3 = config_lut3_words(cfg, d) if use_planes and decode and _runs_ptx(pool.device) and wants_lut else None
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
@@ -1045,7 +1109,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
-        VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None, LUT_LO=lut_asm(words, False) if words else "", LUT_HI=lut_asm(words, True) if words else "",
+        VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
+        LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
+        LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
+        KEY_PLANES=use_planes,
         META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -104,3 +104,57 @@ def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, in
     if not config.uses_codebook or config.key_bits != 4:
         return None
     return lut_words(lloyd_max(head_dim, config.key_bits).centroids)
+
+
+# ---- 3-bit codebook keys ------------------------------------------------------------------------
+# The key codes sit in three byte planes (layout.py): bits 0-2 and 4-6 of each byte are two codes;
+# the kernel gathers codes 6 and 7 from the planes' spare bits 3 and 7 into one more such byte with
+# integer ops (attention._spare_codes: Triton moves those into the MMA operand layout, a three-input
+# asm it would not). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
+# nibble, no sign step. $2: 4 code bytes; $0, $1: fp16 centroids of their low (sel 0x6240) or high
+# (0x7351) nibbles.
+_BODY3 = """{
+.reg .b32 idx, idx2, la, ha, lb, hb, l0, l1, h0, h1;
+mov.b32 l0, %(l0)d;
+mov.b32 l1, %(l1)d;
+mov.b32 h0, %(h0)d;
+mov.b32 h1, %(h1)d;
+and.b32 idx, $2, 0x77777777;
+prmt.b32 la, l0, l1, idx;
+prmt.b32 ha, h0, h1, idx;
+shr.b32 idx2, idx, 16;
+prmt.b32 lb, l0, l1, idx2;
+prmt.b32 hb, h0, h1, idx2;
+prmt.b32 $0, la, ha, %(sel)s;
+prmt.b32 $1, lb, hb, %(sel)s;
+}"""
+
+
+@functools.lru_cache(maxsize=None)
+def lut3_asm(words: tuple[int, int, int, int], high: bool) -> str:
+    """The asm decoding the low (high=False) or the high 3-bit codes of 4 code bytes (CONSTRAINTS)."""
+    l0, l1, h0, h1 = words
+    return _BODY3 % dict(l0=l0, l1=l1, h0=h0, h1=h1, sel="0x7351" if high else "0x6240")
+
+
+def lut3_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(L0, L1, H0, H1): low/high bytes of the 8 fp16 centroids by stored code; None unless 8 finite ones."""
+    if centroids.numel() != 8:
+        return None
+    half = centroids.detach().to("cpu", torch.float16)
+    if not bool(torch.isfinite(half).all()):
+        return None
+    bits = [int(v) & 0xFFFF for v in half.view(torch.int16).tolist()]
+    low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
+    return _word(low[:4]), _word(low[4:]), _word(high[:4]), _word(high[4:])
+
+
+@functools.lru_cache(maxsize=None)
+def config_lut3_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, int, int, int] | None:
+    """The tables for this config's 3-bit codebook keys (computed once per (config, head_dim)); None
+    when the keys are not 3-bit codebook keys."""
+    from ..reference import key_codec
+
+    if not config.uses_codebook or config.key_bits != 3:
+        return None
+    return lut3_words(key_codec(config, head_dim, "cpu").code_centroids)
