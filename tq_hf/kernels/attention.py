@@ -1030,6 +1030,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # value rotation 0.4225 -> 0.3001, the preset's defaults 0.4348 -> 0.3659; outputs bit-identical
             # (eval/results/gpu_checks/session9/call8)
             maxnreg = 128
+        elif words3 and d == 128 and batch_fills_gpu:
+            # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
+            # 0.5823 -> 0.5431 ms, the preset's defaults 0.6654 -> 0.5151; at B=1 slower (0.0647 -> 0.1110)
+            # (eval/results/gpu_checks/session10/call2, call3)
+            maxnreg = 128
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch (2-8 sequences of 8 KV heads): 2-warp programs on 128-token tiles, twice the
             # splits below (the same warps per SM). H200, S=32k plain 4bit, B=2/4/8: 0.0557 -> 0.0550,
