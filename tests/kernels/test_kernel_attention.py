@@ -425,7 +425,8 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
-    ("k8v4", 4, 1, False, 128, None),
+    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads (gpu_checks/session10)
+    ("k8v4", 2, 1, False, 128, None),
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
     ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
