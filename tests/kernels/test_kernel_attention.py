@@ -425,8 +425,9 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
-    ("k8v4", 4, 1, False, 128, None),
-    ("k3v4", 16, 1, True, 128, None),  # 3-bit keys: the lookup reads the code planes (layout.py)
+    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads (gpu_checks/session10)
+    ("k8v4", 2, 1, False, 128, None),
+    ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
     ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
 ])
@@ -526,10 +527,11 @@ def test_decode_key_lookup_variants_gpu(tuning):
 
 
 @pytest.mark.gpu
-def test_decode_fp8_keys_batch_filling_the_gpu_gpu():
-    """k8v4 at 16 rows x 8 KV heads (the 128-register branch) with its preset's levers: value rotation, the
-    exact prefix and ring."""
-    layout = make_layout("k8v4", 8, 128, value_rotation=True)
+@pytest.mark.parametrize("preset", ["k8v4", "k3v4"])
+def test_decode_batch_filling_the_gpu_gpu(preset):
+    """FP8 keys and 3-bit key planes at 16 rows x 8 KV heads (their 128-register branches) with the
+    preset's levers: value rotation, the exact prefix and ring."""
+    layout = make_layout(preset, 8, 128, value_rotation=True)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
 

@@ -35,28 +35,32 @@ if TYPE_CHECKING:
 # that common part, so 8 codes cost ~16 integer instructions (~20 when codes were ascending levels,
 # whose rank 7 - n of the negative half took 4 more: offline sm_90a SASS, 1005 -> 962 per 128-token
 # tile at B=16, 1893 -> 1779 per 256-token tile at B=1).
-_BODY = """{
+_HEAD = """{
 .reg .b32 idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
 mov.b32 l0, %(l0)d;
 mov.b32 l1, %(l1)d;
 mov.b32 h0, %(h0)d;
 mov.b32 h1, %(h1)d;
 and.b32 idx, $2, 0x77777777;
-prmt.b32 la, l0, l1, idx;
+"""
+_LOOKUP = """prmt.b32 la, l0, l1, idx;
 prmt.b32 ha, h0, h1, idx;
 shr.b32 idx2, idx, 16;
 prmt.b32 lb, l0, l1, idx2;
 prmt.b32 hb, h0, h1, idx2;
-shl.b32 sh, $2, 4;
+"""
+_SIGN = """shl.b32 sh, $2, 4;
 prmt.b32 sa, sh, $2, 0xD9C8;
 prmt.b32 sb, sh, $2, 0xFBEA;
 and.b32 sa, sa, 0x80808080;
 or.b32 ha, ha, sa;
 and.b32 sb, sb, 0x80808080;
 or.b32 hb, hb, sb;
-prmt.b32 $0, la, ha, %(sel)s;
+"""
+_INTERLEAVE = """prmt.b32 $0, la, ha, %(sel)s;
 prmt.b32 $1, lb, hb, %(sel)s;
 }"""
+_BODY = _HEAD + _LOOKUP + _SIGN + _INTERLEAVE
 # how the steps work, per nibble n of the 4 code bytes (8 codes, sign-magnitude):
 #   idx = n & 7 = magnitude rank
 #   la/ha (lb/hb): low/high bytes of M[idx] for nibbles 0-3 (4-7), one byte per nibble
@@ -90,7 +94,12 @@ def lut_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
     mags = half[8:]
     if not (torch.equal(half[:8].flip(0), -mags) and bool((mags > 0).all())):
         return None
-    bits = [int(v) & 0xFFFF for v in mags.view(torch.int16).tolist()]
+    return _byte_tables(mags)
+
+
+def _byte_tables(entries: torch.Tensor) -> tuple[int, int, int, int]:
+    """8 fp16 table entries as (L0, L1, H0, H1): their low and their high bytes, 4 per word."""
+    bits = [int(v) & 0xFFFF for v in entries.view(torch.int16).tolist()]
     low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
     return _word(low[:4]), _word(low[4:]), _word(high[:4]), _word(high[4:])
 
@@ -113,21 +122,7 @@ def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, in
 # asm it would not). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
 # nibble, no sign step. $2: 4 code bytes; $0, $1: fp16 centroids of their low (sel 0x6240) or high
 # (0x7351) nibbles.
-_BODY3 = """{
-.reg .b32 idx, idx2, la, ha, lb, hb, l0, l1, h0, h1;
-mov.b32 l0, %(l0)d;
-mov.b32 l1, %(l1)d;
-mov.b32 h0, %(h0)d;
-mov.b32 h1, %(h1)d;
-and.b32 idx, $2, 0x77777777;
-prmt.b32 la, l0, l1, idx;
-prmt.b32 ha, h0, h1, idx;
-shr.b32 idx2, idx, 16;
-prmt.b32 lb, l0, l1, idx2;
-prmt.b32 hb, h0, h1, idx2;
-prmt.b32 $0, la, ha, %(sel)s;
-prmt.b32 $1, lb, hb, %(sel)s;
-}"""
+_BODY3 = _HEAD + _LOOKUP + _INTERLEAVE  # the 4-bit lookup without its sign step
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,9 +139,7 @@ def lut3_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
     half = centroids.detach().to("cpu", torch.float16)
     if not bool(torch.isfinite(half).all()):
         return None
-    bits = [int(v) & 0xFFFF for v in half.view(torch.int16).tolist()]
-    low, high = [b & 0xFF for b in bits], [b >> 8 for b in bits]
-    return _word(low[:4]), _word(low[4:]), _word(high[:4]), _word(high[4:])
+    return _byte_tables(half)
 
 
 @functools.lru_cache(maxsize=None)
