@@ -36,6 +36,7 @@ def _inputs(n: int, layout, dtype, device=DEVICE):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("head_dim,dtype,block_size", [
     (64, torch.float16, 16), (96, torch.bfloat16, 32), (128, torch.float32, 64), (32, torch.bfloat16, 16),
+    (256, torch.float16, 16),
 ])
 def test_store_bytes_match_reference(preset, head_dim, dtype, block_size):
     layout = make_layout(preset, 3, head_dim, block_size)

@@ -61,14 +61,6 @@ def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _rotate_coords(x, rot_ptr, coord, ok, D: tl.constexpr, DP: tl.constexpr):
-    """(x @ R^T)[:, coord] for a vector of coordinates (0 where not ok), fp32 3xTF32."""
-    k = tl.arange(0, DP)
-    r = tl.load(rot_ptr + coord[None, :] * D + k[:, None], mask=(k[:, None] < D) & ok[None, :], other=0.0)
-    return tl.dot(x, r, input_precision="tf32x3")
-
-
-@triton.jit
 def _bucket(y, bnd_ptr, cent_ptr, NB: tl.constexpr):
     """(codebook index, centroid) of y: the index is the number of the NB ascending boundaries
     strictly below y (torch.bucketize). A compare/select chain, not tl.gather: Triton 3.6 fails to
@@ -115,6 +107,24 @@ def _store3(ptr, codes, mask, BLOCK_T: tl.constexpr, GP: tl.constexpr):
 
 
 @triton.jit
+def _store_key_planes(row, code, ok, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Write codes [BLOCK_T, D] (coordinate c * J + j, J = D/8) as the three byte planes of layout.py at
+    the key rows `row` [BLOCK_T, 1]: byte j of plane k = p_2k | p_2k+1 << 4 | bit k of p_6 << 3 | of p_7 << 7."""
+    J: tl.constexpr = D // 8
+    x = tl.permute(tl.reshape(code, (BLOCK_T, 2, 2, 2, J)), (0, 4, 1, 2, 3))  # [T, j, a, b, e]: c = 4a + 2b + e
+    even, odd = tl.split(x)
+    nib = even | (odd << 4)  # [T, j, a, b]: pair k = 2a + b holds p_2k | p_2k+1 << 4 (k = 3: p_6 | p_7 << 4)
+    b0, b1 = tl.split(nib)
+    k0, k2 = tl.split(b0)
+    k1, k3 = tl.split(b1)
+    jj = tl.arange(0, J)
+    m = ok[:, None]
+    tl.store(row + jj[None, :], (k0 | ((k3 & 0x11) << 3)).to(tl.uint8), mask=m)
+    tl.store(row + J + jj[None, :], (k1 | (((k3 >> 1) & 0x11) << 3)).to(tl.uint8), mask=m)
+    tl.store(row + 2 * J + jj[None, :], (k2 | (((k3 >> 2) & 0x11) << 3)).to(tl.uint8), mask=m)
+
+
+@triton.jit
 def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
     q = tl.floor(tl.math.div_rn(x - mid[:, None], div[:, None]) + (HALF + 0.5))
     return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
@@ -133,7 +143,6 @@ def _store_kernel(
     vrot_ptr,  # [D, D] fp32 value rotation Rv (stored = v @ Rv^T), if VALUE_ROT
     N, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
-    KP: tl.constexpr,  # next_pow2(3 D / 8): the bytes of a 3-bit key row, padded
     KEY_PLANES: tl.constexpr,  # 3-bit keys as code planes (layout.key_planes)
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
@@ -193,24 +202,10 @@ def _store_kernel(
                     c_hi = tl.where(c_hi >= 8, c_hi - 8, 15 - c_hi)
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
-            elif KEY_PLANES:  # 3-bit at D = 128/256: three byte planes (layout.py); byte b = j of plane k, J = D/8
-                J: tl.constexpr = D // 8
-                bb = tl.arange(0, KP)
-                pk = bb // J
-                pj = bb % J
-                bok = bb < 3 * J
-                c_lo, v_lo = _bucket(tl.math.div_rn(_rotate_coords(u, rot_ptr, 2 * pk * J + pj, bok, D, DP), inv),
-                                     bnd_ptr, cent_ptr, NC - 1)  # p_2k
-                c_hi, v_hi = _bucket(tl.math.div_rn(_rotate_coords(u, rot_ptr, (2 * pk + 1) * J + pj, bok, D, DP), inv),
-                                     bnd_ptr, cent_ptr, NC - 1)  # p_2k+1
-                c_6, v_6 = _bucket(tl.math.div_rn(_rotate_coords(u, rot_ptr, 6 * J + pj, bok, D, DP), inv),
-                                   bnd_ptr, cent_ptr, NC - 1)  # p_6 (the same j in every plane)
-                c_7, v_7 = _bucket(tl.math.div_rn(_rotate_coords(u, rot_ptr, 7 * J + pj, bok, D, DP), inv),
-                                   bnd_ptr, cent_ptr, NC - 1)
-                csum = tl.sum(tl.where(bok[None, :], v_lo * v_lo + v_hi * v_hi, 0.0)
-                              + tl.where((bb < J)[None, :], v_6 * v_6 + v_7 * v_7, 0.0), axis=1)
-                byte = c_lo | (c_hi << 4) | (((c_6 >> pk[None, :]) & 1) << 3) | (((c_7 >> pk[None, :]) & 1) << 7)
-                tl.store(plane[:, None] + off[:, None] * KB + bb[None, :], byte.to(tl.uint8), mask=ok[:, None] & bok[None, :])
+            elif KEY_PLANES:  # 3-bit at D = 128/256: three byte planes (layout.py), J = D/8 a power of two
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+                csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
+                _store_key_planes(plane[:, None] + off[:, None] * KB, code, ok, BLOCK_T, D)
             else:  # other 3-bit keys: a little-endian bit stream, 8 codes -> 3 bytes
                 code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
@@ -344,8 +339,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
     site = None
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(
-            D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8), KP=next_pow2(3 * d // 8),
-            KEY_PLANES=key_planes(cfg, d),
+            D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8), KEY_PLANES=key_planes(cfg, d),
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
