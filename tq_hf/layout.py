@@ -23,14 +23,14 @@ With T in {16, 32, 64} every region starts on a 32-byte boundary.
 Packing of the codes inside one token's row (D = head_dim):
   * 4-bit ("split-half"): byte j holds code j in its low nibble and code j + D/2 in its high
     nibble, so the two nibble halves feed two half-width dot products without shuffles.
-  * 3-bit values, and 3-bit keys at other head_dims: a little-endian bit stream; code i occupies
+  * 3-bit values, and the other 3-bit keys: a little-endian bit stream; code i occupies
     bits [3i, 3i+3) and may straddle bytes.
-  * 3-bit keys at head_dim 128 and 256 (key_planes below, reference.pack_key_codes): three byte planes of
-    J = D/8 bytes. With p_c the code of
-    coordinate c*J + j, byte j of plane k (k = 0, 1, 2) holds p_2k in bits 0-2, p_2k+1 in bits 4-6,
-    bit k of p_6 in bit 3 and bit k of p_7 in bit 7. So bits 0-2 and 4-6 of a byte are two codes,
-    and (plane0 >> 3 & 0x11) | (plane1 >> 2 & 0x22) | (plane2 >> 1 & 0x44) two more: the decode
-    kernel's byte-permute lookup (key_lut.py) reads every code without crossing a byte.
+  * 3-bit keys next to 4-bit values at head_dim 128 and 256 (key_planes below, reference.pack_key_codes):
+    three byte planes of J = D/8 bytes. With p_c the code of coordinate c*J + j, byte j of plane k
+    (k = 0, 1, 2) holds p_2k in bits 0-2, p_2k+1 in bits 4-6, bit k of p_6 in bit 3 and bit k of p_7
+    in bit 7. So bits 0-2 and 4-6 of a byte are two codes, and (plane0 >> 3 & 0x11) |
+    (plane1 >> 2 & 0x22) | (plane2 >> 1 & 0x44) two more: the decode kernel's byte-permute lookup
+    (key_lut.py) reads every code without crossing a byte.
   * 8-bit (FP8 keys): one float8_e4m3fn byte per coordinate.
 Codebook key codes name a centroid through reference.stored_codes: 4-bit keys are sign-magnitude
 (bit 3 set for the negative half, low 3 bits the magnitude rank), 3-bit keys the level itself.

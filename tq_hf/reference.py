@@ -90,9 +90,9 @@ def pack_key_codes(codes: torch.Tensor, bits: int, planes: bool) -> torch.Tensor
     if bits != 3 or d // 8 not in (16, 32):
         raise ValueError(f"key code planes hold 3-bit codes of head_dim 128 or 256, got {bits}-bit, head_dim {d}")
     p = codes.to(torch.int32).unflatten(-1, (8, d // 8))  # p[..., c, j]: coordinate c * D/8 + j
-    planes = [p[..., 2 * k, :] | (p[..., 2 * k + 1, :] << 4) | (((p[..., 6, :] >> k) & 1) << 3)
-              | (((p[..., 7, :] >> k) & 1) << 7) for k in range(3)]
-    return torch.cat(planes, -1).to(torch.uint8)
+    plane_bytes = [p[..., 2 * k, :] | (p[..., 2 * k + 1, :] << 4) | (((p[..., 6, :] >> k) & 1) << 3)
+                   | (((p[..., 7, :] >> k) & 1) << 7) for k in range(3)]
+    return torch.cat(plane_bytes, -1).to(torch.uint8)
 
 
 def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int, planes: bool) -> torch.Tensor:

@@ -202,7 +202,7 @@ def _store_kernel(
                     c_hi = tl.where(c_hi >= 8, c_hi - 8, 15 - c_hi)
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
-            elif KEY_PLANES:  # 3-bit at D = 128/256: three byte planes (layout.py), J = D/8 a power of two
+            elif KEY_PLANES:  # 3-bit code planes (layout.key_planes): bucketed in coordinate order, then shuffled
                 code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
                 _store_key_planes(plane[:, None] + off[:, None] * KB, code, ok, BLOCK_T, D)
