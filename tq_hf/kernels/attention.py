@@ -310,6 +310,36 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
             s = tl.dot(q_lo, tl.trans(k_lo))
             s = tl.dot(q_hi, tl.trans(k_hi), s)
+    elif KEY_BITS == 3 and KEY_PLANES and D == 128:
+        # 16-byte planes in 32-row windows (Triton 3.6 pipelines and decodes in the MMA operand layout only
+        # tiles of >= 32 i8 rows): X = bytes 0..31 (planes 0, 1), Y = 16..47 (planes 1, 2), Z = 32..47 (plane
+        # 2, rows 16..31 masked); E = the spare codes of (X, Y, Z), valid in rows 0..15. qp[w] is zero where
+        # a window's rows hold no code of it.
+        r32 = tl.arange(0, 32)
+        if KEY_LUT:
+            kw = plane[None, :] + off[None, :] * KB + r32[:, None]
+            x = tl.load(kw, mask=tok_ok[None, :], other=0)
+            y = tl.load(kw + 16, mask=tok_ok[None, :], other=0)
+            z = tl.load(kw + 32, mask=tok_ok[None, :] & (r32[:, None] < 16), other=0)
+            e = _spare_codes(x, y, z)
+            s = tl.dot(qp[0], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [x], dtype=tl.float16, is_pure=True, pack=4))
+            s = tl.dot(qp[1], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [x], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[2], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [z], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[3], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [z], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[4], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [e], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = tl.dot(qp[5], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [e], dtype=tl.float16, is_pure=True, pack=4), s)
+        else:
+            kw = plane[:, None] + off[:, None] * KB + r32[None, :]
+            x = tl.load(kw, mask=tok_ok[:, None], other=0)
+            y = tl.load(kw + 16, mask=tok_ok[:, None], other=0)
+            z = tl.load(kw + 32, mask=tok_ok[:, None] & (r32[None, :] < 16), other=0)
+            e = _spare_codes(x, y, z)
+            s = tl.dot(qp[0], tl.trans(tl.gather(table, (x & 7).to(tl.int32), 1)))
+            s = tl.dot(qp[1], tl.trans(tl.gather(table, (x >> 4).to(tl.int32) & 7, 1)), s)
+            s = tl.dot(qp[2], tl.trans(tl.gather(table, (z & 7).to(tl.int32), 1)), s)
+            s = tl.dot(qp[3], tl.trans(tl.gather(table, (z >> 4).to(tl.int32) & 7, 1)), s)
+            s = tl.dot(qp[4], tl.trans(tl.gather(table, (e & 7).to(tl.int32), 1)), s)
+            s = tl.dot(qp[5], tl.trans(tl.gather(table, (e >> 4).to(tl.int32) & 7, 1)), s)
     elif KEY_BITS == 3 and KEY_PLANES:  # qp[c]: the query's coordinates c * J + j, one dot per code plane
         J: tl.constexpr = D // 8
         jj = tl.arange(0, J)
@@ -521,6 +551,28 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
+    elif KEY_BITS == 3 and KEY_PLANES and D == 128:
+        # 32-row windows of the 16-byte planes (_pool_tile): the rotated query's coordinates of each window's
+        # rows, 0 for the rows that hold no code of it
+        r32 = tl.arange(0, 32)
+        qp = ()
+        qmax = tl.zeros((BLOCK_M,), tl.float32)
+        for w in tl.static_range(6):
+            if w < 2:  # window X, bytes 0..31: nibble w of planes 0 (rows 0..15) and 1 (rows 16..31)
+                coord = (w + 2 * (r32 // 16)) * 16 + r32 % 16
+                ok_r = r32 < 32
+            else:  # codes 4, 5 (window Z, plane 2) and 6, 7 (window E, the spare bits): rows 0..15
+                coord = (w + 2) * 16 + r32 % 16
+                ok_r = r32 < 16
+            r_w = tl.load(rot_ptr + coord[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & ok_r[None, :], other=0.0)
+            q_w = tl.dot(q, r_w, input_precision="tf32x3")
+            qmax = tl.maximum(qmax, tl.max(tl.abs(q_w), axis=1))
+            qp = qp + (q_w,)
+        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
+        qh = ()
+        for w in tl.static_range(6):
+            qh = qh + ((qp[w] / qdiv).to(tl.float16),)
+        qp = qh
     elif KEY_BITS == 3 and KEY_PLANES:
         # the rotated query's coordinates c * J + j (j < J = D/8) for code plane c: q @ R[c*J : (c+1)*J]^T
         J: tl.constexpr = D // 8
