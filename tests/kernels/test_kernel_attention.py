@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tq_hf import reference
+from tq_hf.layout import value_planes
 from tq_hf.kernels import unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
@@ -693,6 +694,20 @@ def test_decode_value_paths(value_words, preset, options):
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
            num_splits=3, tuning={"value_words": value_words}, **kw)
     _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)
+
+
+# 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators of D/4 coordinates
+@pytest.mark.parametrize("head_dim,options", [(64, True), (128, False), (128, True)])
+def test_decode_three_bit_value_planes(head_dim, options):
+    """3-bit value planes against the reference, with the exact prefix and ring (their values join the
+    4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates
+    each accumulator's coordinates back)."""
+    layout = make_layout("3bit", 2, head_dim, key_centering=options, value_rotation=options)
+    assert value_planes(layout.config, head_dim)
+    kw = _fidelity_options(layout, 4) if options else {}
+    _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
+           num_splits=3, **kw)
+    _check(layout, [70, 33], 2, 4, **kw)
 
 
 # per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked
