@@ -202,8 +202,8 @@ def test_pack_3bit_keys_matches_naive_planes(dim):
 
 
 def test_which_formats_store_key_planes():
-    """Code planes: 3-bit codebook keys with 4-bit values at head_dim 128/256 (layout.key_planes)."""
-    for preset, dims in (("k3v4", (128, 256)), ("3bit", ()), ("4bit", ()), ("k8v4", ())):
+    """Code planes: 3-bit codebook keys at head_dim 128/256 (layout.key_planes)."""
+    for preset, dims in (("k3v4", (128, 256)), ("3bit", (128, 256)), ("4bit", ()), ("k8v4", ())):
         cfg = TurboQuantConfig.from_preset(preset, rotation="random")
         assert [d for d in (32, 64, 96, 128, 192, 256) if key_planes(cfg, d)] == list(dims), preset
     with pytest.raises(ValueError, match="planes hold 3-bit codes of head_dim 128 or 256"):

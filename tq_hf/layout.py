@@ -31,7 +31,7 @@ Packing of the codes inside one token's row (D = head_dim):
     crossing bytes.
   * 3-bit values at other head_dims, and the other 3-bit keys: a little-endian bit stream; code i
     occupies bits [3i, 3i+3) and may straddle bytes.
-  * 3-bit keys next to 4-bit values at head_dim 128 and 256 (key_planes below, reference.pack_key_codes):
+  * 3-bit keys at head_dim 128 and 256 (key_planes below, reference.pack_key_codes):
     three byte planes of J = D/8 bytes. With p_c the code of coordinate c*J + j, byte j of plane k
     (k = 0, 1, 2) holds p_2k in bits 0-2, p_2k+1 in bits 4-6, bit k of p_6 in bit 3 and bit k of p_7
     in bit 7. So bits 0-2 and 4-6 of a byte are two codes, and (plane0 >> 3 & 0x11) |
@@ -61,11 +61,9 @@ METADATA_DTYPE = torch.bfloat16
 
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
     """Whether this format stores its keys as code planes (above): 3-bit codebook keys whose planes
-    fill an MMA's K (D/8 = 16 or 32), next to 4-bit values. With 3-bit values the planes' eight dots
-    measured slower (H200, S=32k 32/8/128, 3bit decode B=1/16 +19%/+7%: register spills), and at
-    other head_dims the per-coordinate plane reads (9/3/64 k3v4 +48%): those keep the bit stream."""
-    return (config.uses_codebook and config.key_bits == 3 and config.value_bits == 4
-            and head_dim // 8 in (16, 32))
+    fill an MMA's K (D/8 = 16 or 32). At other head_dims the per-coordinate plane reads measured
+    slower (9/3/64 k3v4 +48%): those keep the bit stream."""
+    return config.uses_codebook and config.key_bits == 3 and head_dim // 8 in (16, 32)
 
 
 def value_planes(config: TurboQuantConfig, head_dim: int) -> bool:

@@ -430,7 +430,7 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("k8v4", 2, 1, False, 128, None),
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
-    ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
+    ("3bit", 16, 1, True, 128, 128),  # 3-bit values (value planes) next to the key planes, likewise
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
@@ -446,10 +446,11 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
-    three = preset == "k3v4"
+    three = preset in ("k3v4", "3bit")
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
+    assert seen["VALUE_PLANES"] == (preset == "3bit"), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
-    words = q_len == 1 and head_dim == 128
+    words = q_len == 1 and head_dim == 128 and preset != "3bit"
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
