@@ -113,8 +113,8 @@ def pack_value_codes(codes: torch.Tensor, bits: int, planes: bool) -> torch.Tens
     d = codes.shape[-1]
     if not planes:
         return pack_codes(codes, bits)
-    if bits != 3 or d % 32:
-        raise ValueError(f"value code planes hold 3-bit codes of a head_dim divisible by 32, got {bits}-bit, head_dim {d}")
+    if bits != 3 or d // 8 not in (16, 32):
+        raise ValueError(f"value code planes hold 3-bit codes of head_dim 128 or 256, got {bits}-bit, head_dim {d}")
     c = codes.to(torch.int32)
     low = (c & 3).unflatten(-1, (4, d // 4))  # low[..., a, j]: coordinate a * D/4 + j
     high = ((c >> 2) & 1).unflatten(-1, (8, d // 8))  # high[..., t, i]: coordinate t * D/8 + i

@@ -698,7 +698,7 @@ def test_decode_value_paths(value_words, preset, options):
 
 
 # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators of D/4 coordinates
-@pytest.mark.parametrize("head_dim,options", [(64, True), (128, False), (128, True)])
+@pytest.mark.parametrize("head_dim,options", [(128, False), (128, True), (256, True)])
 def test_decode_three_bit_value_planes(head_dim, options):
     """3-bit value planes against the reference, with the exact prefix and ring (their values join the
     4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates

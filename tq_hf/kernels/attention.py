@@ -1129,11 +1129,18 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
+    if value_planes(cfg, d):
+        # likewise the 3-bit value planes' subnormal fp16 operands: the 64-row prefill tiles faulted
+        # (illegal address, H200 GPU tests of session 11 call 2), as 4-bit value words did (below)
+        block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
+    if value_planes(cfg, d) and on_gpu and block_m > 32:
+        raise ValueError(f"3-bit value planes need row tiles of <= 32 rows on a GPU, got tuning block_m {block_m} "
+                         "(64-row tiles faulted on an H200)")
     num_warps = tuning.get("num_warps", 2 if narrow else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register, decoded as fp16 subnormals):
     # decode tiles of <= 32 rows only (the mma.sync path: the GPU tests of 2026-11-30 failed for
