@@ -448,7 +448,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
     three = preset in ("k3v4", "3bit")
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
-    assert seen["VALUE_PLANES"] == (preset == "3bit"), seen
+    assert seen["VALUE_PLANES"] == (preset == "3bit" and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128 and preset != "3bit"
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
@@ -702,13 +702,14 @@ def test_decode_value_paths(value_words, preset, options):
 def test_decode_three_bit_value_planes(head_dim, options):
     """3-bit value planes against the reference, with the exact prefix and ring (their values join the
     4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates
-    each accumulator's coordinates back)."""
+    each accumulator's coordinates back), and a prefill (17 queries of 4 heads: 32-row tiles)."""
     layout = make_layout("3bit", 2, head_dim, key_centering=options, value_rotation=options)
     assert value_planes(layout.config, head_dim)
     kw = _fidelity_options(layout, 4) if options else {}
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
            num_splits=3, **kw)
     _check(layout, [70, 33], 2, 4, **kw)
+    _check(layout, [70, 33], 17, 4, prefix_len=4, recent=(16, 0), **kw)
 
 
 # per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked

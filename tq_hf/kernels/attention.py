@@ -1130,8 +1130,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
     if value_planes(cfg, d):
-        # likewise the 3-bit value planes' subnormal fp16 operands: the 64-row prefill tiles faulted
-        # (illegal address, H200 GPU tests of session 11 call 2), as 4-bit value words did (below)
+        # likewise the 3-bit value planes: their 64-row prefill tiles faulted (illegal address, H200 GPU
+        # tests of session 11 calls 2 and 6, with the codes as subnormals and by the 0x6400 trick alike),
+        # so their compressed-mode prefill runs 32-row tiles (8k tokens 6.2 -> 12.9 ms, call 5)
         block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
