@@ -62,7 +62,9 @@ METADATA_DTYPE = torch.bfloat16
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
     """Whether this format stores its keys as code planes (above): 3-bit codebook keys whose planes
     fill an MMA's K (D/8 = 16 or 32). At other head_dims the per-coordinate plane reads measured
-    slower (9/3/64 k3v4 +48%): those keep the bit stream."""
+    slower (9/3/64 k3v4 +48%), and reading head_dim 64's three 8-byte planes as one 32-row window
+    gained nothing overall (k3v4 S=32k B=16 0.183 -> 0.172 ms, B=1 0.0238 -> 0.0255): those keep the
+    bit stream."""
     return config.uses_codebook and config.key_bits == 3 and head_dim // 8 in (16, 32)
 
 
