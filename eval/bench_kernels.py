@@ -167,7 +167,7 @@ def bench_prefill(args, flush, results):
         print(f"prefill S={s}: sdpa fp16 causal {sdpa:.3f} ms", flush=True)
         kt = k[0].transpose(0, 1).contiguous()  # [S, Hk, D] as the cache receives them
         vt = v[0].transpose(0, 1).contiguous()
-        for preset in (["4bit"] if args.quick else ["4bit", "k8v4"]):
+        for preset in args.prefill_presets or (["4bit"] if args.quick else ["4bit", "k8v4"]):
             layout = BlockLayout(make_config(preset), hk, d)
             nb = -(-s // 16)
             pool = layout.allocate(nb, "cuda")
@@ -217,7 +217,7 @@ def bench_store_step(args, flush, results):
     from tq_hf.layout import BlockLayout
 
     b, s, (hq, hk, d) = 16, 32768, DECODE_SHAPES[0]
-    for preset in ["4bit", "k8v4"]:
+    for preset in args.prefill_presets or ["4bit", "k8v4"]:
         layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=16), hk, d)
         pool, table = _fill_pool(layout, b, s)
         k = torch.randn(b, hk, d, device="cuda", dtype=torch.float16)
@@ -324,6 +324,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", type=int, nargs="*", help="decode cache lengths")
     ap.add_argument("--presets", nargs="*", help=f"decode presets; suffix {OPTIONS_SUFFIX} adds key_centering + value_rotation")
     ap.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill prompt lengths")
+    ap.add_argument("--prefill-presets", nargs="*", choices=PRESETS,
+                    help="presets of the prefill and decode-step store sections (default 4bit k8v4)")
     ap.add_argument("--store-sweep", action="store_true", help="sweep store_kv tile sizes at each prefill length")
     ap.add_argument("--tag", help="output file stem (default kernels_bench, kernels_bench_quick with --quick)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "store", "tune"], help="sections to skip")

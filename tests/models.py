@@ -16,6 +16,7 @@ import tq_hf  # noqa: E402,F401  (registers "turboquant")
 from tq_hf import reference  # noqa: E402
 from tq_hf.cache import sliding_windows  # noqa: E402
 from tq_hf.config import TurboQuantConfig  # noqa: E402
+from tq_hf.layout import value_planes  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine thread hand-offs
 # made each forward ~100x slower (12.6 s vs 0.1 s for one 10-token generate).
@@ -102,9 +103,10 @@ def fake_quantize(key: torch.Tensor, value: torch.Tensor, cfg: TurboQuantConfig,
     offset = None if key_offset is None else key_offset[:, None, :] if key_offset.dim() == 2 else key_offset[:, :, None, :]
     v_rot = reference.value_rotation_matrix(cfg, d)
     k_codes, k_scale = reference.quantize_keys(key, cfg, offset)
-    v_codes, v_scale, v_mid = reference.quantize_values(value, cfg.value_bits, v_rot)
+    planes = value_planes(cfg, d)
+    v_codes, v_scale, v_mid = reference.quantize_values(value, cfg.value_bits, v_rot, planes)
     return (reference.dequantize_keys(k_codes, k_scale, cfg, d, offset),
-            reference.dequantize_values(v_codes, v_scale, v_mid, cfg.value_bits, d, v_rot))
+            reference.dequantize_values(v_codes, v_scale, v_mid, cfg.value_bits, d, v_rot, planes))
 
 
 class FakeQuantLayer(DynamicLayer):

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tq_hf import reference as ref
-from tq_hf.layout import key_planes
+from tq_hf.layout import key_planes, value_planes
 from tq_hf.codebook import codebook_mse
 from tq_hf.config import PRESETS, TurboQuantConfig
 from tq_hf.layout import BlockLayout
@@ -202,12 +202,60 @@ def test_pack_3bit_keys_matches_naive_planes(dim):
 
 
 def test_which_formats_store_key_planes():
-    """Code planes: 3-bit codebook keys with 4-bit values at head_dim 128/256 (layout.key_planes)."""
-    for preset, dims in (("k3v4", (128, 256)), ("3bit", ()), ("4bit", ()), ("k8v4", ())):
+    """Code planes: 3-bit codebook keys at head_dim 128/256 (layout.key_planes)."""
+    for preset, dims in (("k3v4", (128, 256)), ("3bit", (128, 256)), ("4bit", ()), ("k8v4", ())):
         cfg = TurboQuantConfig.from_preset(preset, rotation="random")
         assert [d for d in (32, 64, 96, 128, 192, 256) if key_planes(cfg, d)] == list(dims), preset
     with pytest.raises(ValueError, match="planes hold 3-bit codes of head_dim 128 or 256"):
         ref.pack_key_codes(torch.zeros(64, dtype=torch.int64), 3, planes=True)
+
+
+def _pack_value_planes_naive(codes: list[int]) -> list[int]:
+    """layout.py's 3-bit value planes, one bit at a time: coordinate c puts its code's bits 0, 1 at bits
+    2a, 2a + 1 of byte j = c % Q of the 2-bit plane (a = c // Q, Q = D/4) and its bit 2 at bit c // (D/8)
+    of byte Q + c % (D/8)."""
+    d = len(codes)
+    q, e = d // 4, d // 8
+    out = [0] * (q + e)
+    for c, code in enumerate(codes):
+        for bit in range(3):
+            if (code >> bit) & 1:
+                if bit < 2:
+                    out[c % q] |= 1 << (2 * (c // q) + bit)
+                else:
+                    out[q + c % e] |= 1 << (c // e)
+    return out
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_pack_3bit_values_matches_naive_planes(dim):
+    codes = torch.randint(0, 8, (5, dim))
+    packed = ref.pack_value_codes(codes, 3, planes=True)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
+    for row in range(5):
+        assert packed[row].tolist() == _pack_value_planes_naive(codes[row].tolist())
+    assert torch.equal(ref.unpack_value_codes(packed, 3, dim, planes=True), codes)
+    stream = ref.pack_value_codes(codes, 3, planes=False)
+    assert torch.equal(stream, ref.pack_codes(codes, 3))
+    assert torch.equal(ref.unpack_value_codes(stream, 3, dim, planes=False), codes)
+
+
+def test_pack_3bit_values_known_bytes():
+    one = torch.zeros(128, dtype=torch.int64)
+    one[32 * 2 + 5] = 6  # coordinate 69: a = 2, j = 5 (bits 0-1 = 2 -> bit 5 of byte 5); bit 2 -> t = 4, i = 5
+    want = [0] * 48
+    want[5] = 0x20
+    want[32 + 5] = 0x10
+    assert ref.pack_value_codes(one, 3, planes=True).tolist() == want
+
+
+def test_which_formats_store_value_planes():
+    """Value planes: 3-bit values at head_dim 128/256 (layout.value_planes); 4-bit values are nibbles."""
+    for preset, dims in (("3bit", (128, 256)), ("k3v4", ()), ("4bit", ()), ("k8v4", ())):
+        cfg = TurboQuantConfig.from_preset(preset, rotation="random")
+        assert [d for d in (32, 64, 96, 128, 192, 256) if value_planes(cfg, d)] == list(dims), preset
+    with pytest.raises(ValueError, match="value code planes hold 3-bit codes"):
+        ref.pack_value_codes(torch.zeros(64, dtype=torch.int64), 3, planes=True)
 
 
 def test_pack_3bit_keys_known_bytes():
@@ -307,7 +355,7 @@ def test_store_gather_roundtrip(preset, head_dim, block_size):
         pos = torch.arange(len(k))
         key_at, value_at, meta_at = byte_indices(layout, case.block_table[b, pos // t], pos % t)
         k_codes, k_scale = ref.quantize_keys(k, cfg)
-        v_codes, v_scale, v_mid = ref.quantize_values(v, cfg.value_bits)
+        v_codes, v_scale, v_mid = ref.quantize_values(v, cfg.value_bits, planes=value_planes(cfg, head_dim))
         assert torch.equal(pool_bytes[key_at], k_codes), f"key code bytes, row {b}"
         assert torch.equal(pool_bytes[value_at], v_codes), f"value code bytes, row {b}"
         meta_bytes = torch.stack([k_scale, v_scale, v_mid], -1).contiguous().view(torch.uint8).unflatten(-1, (3, 2))

@@ -23,9 +23,15 @@ With T in {16, 32, 64} every region starts on a 32-byte boundary.
 Packing of the codes inside one token's row (D = head_dim):
   * 4-bit ("split-half"): byte j holds code j in its low nibble and code j + D/2 in its high
     nibble, so the two nibble halves feed two half-width dot products without shuffles.
-  * 3-bit values, and the other 3-bit keys: a little-endian bit stream; code i occupies
-    bits [3i, 3i+3) and may straddle bytes.
-  * 3-bit keys next to 4-bit values at head_dim 128 and 256 (key_planes below, reference.pack_key_codes):
+  * 3-bit values at head_dim 128 and 256 (value_planes below, reference.pack_value_codes): a 2-bit
+    plane of Q = D/4 bytes, then a bit plane of D/8 bytes. Byte j of the 2-bit plane holds the low two
+    bits of the code of coordinate a*Q + j in bits 2a, 2a+1 (a = 0..3); byte i of the bit plane holds
+    bit 2 of the code of coordinate t*D/8 + i in bit t (t = 0..7). So a decode kernel reads the codes
+    of four column tiles (coordinates a*Q + j) from one Q-byte row and the bit plane repeated, without
+    crossing bytes.
+  * 3-bit values at other head_dims, and the other 3-bit keys: a little-endian bit stream; code i
+    occupies bits [3i, 3i+3) and may straddle bytes.
+  * 3-bit keys at head_dim 128 and 256 (key_planes below, reference.pack_key_codes):
     three byte planes of J = D/8 bytes. With p_c the code of coordinate c*J + j, byte j of plane k
     (k = 0, 1, 2) holds p_2k in bits 0-2, p_2k+1 in bits 4-6, bit k of p_6 in bit 3 and bit k of p_7
     in bit 7. So bits 0-2 and 4-6 of a byte are two codes, and (plane0 >> 3 & 0x11) |
@@ -55,11 +61,20 @@ METADATA_DTYPE = torch.bfloat16
 
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
     """Whether this format stores its keys as code planes (above): 3-bit codebook keys whose planes
-    fill an MMA's K (D/8 = 16 or 32), next to 4-bit values. With 3-bit values the planes' eight dots
-    measured slower (H200, S=32k 32/8/128, 3bit decode B=1/16 +19%/+7%: register spills), and at
-    other head_dims the per-coordinate plane reads (9/3/64 k3v4 +48%): those keep the bit stream."""
-    return (config.uses_codebook and config.key_bits == 3 and config.value_bits == 4
-            and head_dim // 8 in (16, 32))
+    fill an MMA's K (D/8 = 16 or 32). At other head_dims the per-coordinate plane reads measured
+    slower (9/3/64 k3v4 +48%), and reading head_dim 64's three 8-byte planes as one 32-row window
+    gained nothing overall (k3v4 S=32k B=16 0.183 -> 0.172 ms, B=1 0.0238 -> 0.0255): those keep the
+    bit stream."""
+    return config.uses_codebook and config.key_bits == 3 and head_dim // 8 in (16, 32)
+
+
+def value_planes(config: TurboQuantConfig, head_dim: int) -> bool:
+    """Whether this format stores its values as a 2-bit plane and a bit plane (above): 3-bit values at
+    head_dim 128 and 256, where the bit stream's codes straddle bytes and cost the decode three byte
+    loads, shifts and an int-to-float conversion per code (H200, 3bit S=32k 32/8/128 with key planes:
+    B=16 1.348 -> 0.733 ms, B=1 0.0997 -> 0.0689). At head_dim 64 the planes' 16-byte rows measured
+    slower (9/3/64 B=16 0.243 -> 0.399 ms): the bit stream stays there."""
+    return config.value_bits == 3 and head_dim // 8 in (16, 32)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 
 from .codebook import _ordinary_tensors, lloyd_max, rotation_matrix
 from .config import TurboQuantConfig
-from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
+from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -104,6 +104,34 @@ def unpack_key_codes(packed: torch.Tensor, bits: int, dim: int, planes: bool) ->
     spare7 = sum(((b[..., k, :] >> 7) & 1) << k for k in range(3))
     parts = [b[..., k, :] & 7 if h == 0 else (b[..., k, :] >> 4) & 7 for k in range(3) for h in range(2)]
     return torch.cat(parts + [spare6, spare7], -1)
+
+
+def pack_value_codes(codes: torch.Tensor, bits: int, planes: bool) -> torch.Tensor:
+    """Value codes [..., D] -> [..., D * bits / 8] uint8: with `planes` (layout.value_planes) 3-bit codes
+    as a 2-bit plane and a bit plane (layout.py), which a decode kernel reads without crossing bytes;
+    else pack_codes."""
+    d = codes.shape[-1]
+    if not planes:
+        return pack_codes(codes, bits)
+    if bits != 3 or d // 8 not in (16, 32):
+        raise ValueError(f"value code planes hold 3-bit codes of head_dim 128 or 256, got {bits}-bit, head_dim {d}")
+    c = codes.to(torch.int32)
+    low = (c & 3).unflatten(-1, (4, d // 4))  # low[..., a, j]: coordinate a * D/4 + j
+    high = ((c >> 2) & 1).unflatten(-1, (8, d // 8))  # high[..., t, i]: coordinate t * D/8 + i
+    low_bytes = sum(low[..., a, :] << (2 * a) for a in range(4))
+    high_bytes = sum(high[..., t, :] << t for t in range(8))
+    return torch.cat([low_bytes, high_bytes], -1).to(torch.uint8)
+
+
+def unpack_value_codes(packed: torch.Tensor, bits: int, dim: int, planes: bool) -> torch.Tensor:
+    """Inverse of pack_value_codes: [..., dim * bits / 8] uint8 -> [..., dim] int64 codes."""
+    if not planes:
+        return unpack_codes(packed, bits, dim)
+    b = packed.to(torch.int64)
+    low, high = b[..., : dim // 4], b[..., dim // 4 :]
+    lows = torch.cat([(low >> (2 * a)) & 3 for a in range(4)], -1)
+    highs = torch.cat([(high >> t) & 1 for t in range(8)], -1)
+    return lows | (highs << 2)
 
 
 # ---- the per-layer constants ---------------------------------------------------------------
@@ -199,9 +227,10 @@ def dequantize_keys(
 
 # ---- values --------------------------------------------------------------------------------
 def quantize_values(
-    value: torch.Tensor, bits: int, rotation: torch.Tensor | None = None
+    value: torch.Tensor, bits: int, rotation: torch.Tensor | None = None, planes: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[..., D] values -> (packed codes, scale [...] bf16, mid [...] bf16); rotated first if given."""
+    """[..., D] values -> (packed codes, scale [...] bf16, mid [...] bf16); rotated first if given;
+    `planes`: the codes packed as layout.value_planes says."""
     x = value.float()
     if rotation is not None:
         x = x @ rotation.T
@@ -212,7 +241,7 @@ def quantize_values(
     scale = bf16_round_up(half_range / (levels / 2))
     t = (x - mid[..., None]) / torch.where(scale > 0, scale, torch.ones_like(scale))[..., None]
     codes = torch.floor(t + (levels / 2 + 0.5)).clamp(0, levels)
-    return pack_codes(codes, bits), scale.to(METADATA_DTYPE), mid.to(METADATA_DTYPE)
+    return pack_value_codes(codes, bits, planes), scale.to(METADATA_DTYPE), mid.to(METADATA_DTYPE)
 
 
 def dequantize_values(
@@ -222,9 +251,10 @@ def dequantize_values(
     bits: int,
     head_dim: int,
     rotation: torch.Tensor | None = None,
+    planes: bool = False,
 ) -> torch.Tensor:
     levels = (1 << bits) - 1
-    c = unpack_codes(codes, bits, head_dim).float() - levels / 2
+    c = unpack_value_codes(codes, bits, head_dim, planes).float() - levels / 2
     v = mid.float()[..., None] + scale.float()[..., None] * c
     return v if rotation is None else v @ rotation
 
@@ -254,7 +284,7 @@ def store(
     block, offset = slots // layout.block_size, slots % layout.block_size
     k_codes, k_scale = quantize_keys(key, cfg, key_offset)
     v_rot = value_rotation_matrix(cfg, layout.head_dim, str(value.device))
-    v_codes, v_scale, v_mid = quantize_values(value, cfg.value_bits, v_rot)
+    v_codes, v_scale, v_mid = quantize_values(value, cfg.value_bits, v_rot, value_planes(cfg, layout.head_dim))
     layout.key_codes(pool)[block, :, offset] = k_codes
     layout.value_codes(pool)[block, :, offset] = v_codes
     meta = layout.metadata(pool)
@@ -301,7 +331,8 @@ def gather(
     offset = None if key_offset is None else row_offset(key_offset)[:, :, None, :]
     k = dequantize_keys(kc, meta[:, :, KEY_SCALE], cfg, d, offset)
     v_rot = value_rotation_matrix(cfg, d, str(pool.device))
-    v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d, v_rot)
+    v = dequantize_values(vc, meta[:, :, VALUE_SCALE], meta[:, :, VALUE_MID], cfg.value_bits, d, v_rot,
+                          value_planes(cfg, d))
     return k, v
 
 

@@ -8,7 +8,7 @@ import torch
 
 from tq_hf import reference
 from tq_hf.config import TurboQuantConfig
-from tq_hf.layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
+from tq_hf.layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_RTOL = 1e-5  # a code may differ only for a coordinate this close to a decision boundary
@@ -105,14 +105,14 @@ def check_rotated_values(got: torch.Tensor, want: torch.Tensor, layout: BlockLay
     meta = layout.metadata(got)
     scale = meta[blk, :, VALUE_SCALE, off].double()[..., None]  # [n, H, 1]
     mid = meta[blk, :, VALUE_MID, off].double()[..., None]
-    codes = reference.unpack_codes(layout.value_codes(got)[blk, :, off], cfg.value_bits, d)
+    codes = reference.unpack_value_codes(layout.value_codes(got)[blk, :, off], cfg.value_bits, d, value_planes(cfg, d))
     deq = mid + scale * (codes.double() - ((1 << cfg.value_bits) - 1) / 2)
     err = (deq - y).abs()
     bound = scale * 0.5 + 1e-5 * y.abs().amax(-1, keepdim=True)
     assert (err <= bound).all(), (
         f"{int((err > bound).sum())} values reconstruct beyond half a step; worst excess "
         f"{float((err - bound).max()):.3e} at {(err > bound).nonzero()[:4].tolist()}")
-    codes_w = reference.unpack_codes(layout.value_codes(want)[blk, :, off], cfg.value_bits, d)
+    codes_w = reference.unpack_value_codes(layout.value_codes(want)[blk, :, off], cfg.value_bits, d, value_planes(cfg, d))
     n_codes = int((codes != codes_w).sum())
     assert n_codes <= max(4, codes.numel() // 200), f"{n_codes} of {codes.numel()} value codes differ from the spec"
     meta_w = layout.metadata(want)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tq_hf import reference
+from tq_hf.layout import value_planes
 from tq_hf.kernels import unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
@@ -429,7 +430,7 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("k8v4", 2, 1, False, 128, None),
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
-    ("3bit", 16, 1, False, 128, None),  # 3-bit values: the keys stay a bit stream (layout.key_planes)
+    ("3bit", 16, 1, True, 128, 128),  # 3-bit values (value planes) next to the key planes, likewise
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
@@ -445,10 +446,11 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
-    three = preset == "k3v4"
+    three = preset in ("k3v4", "3bit")
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
+    assert seen["VALUE_PLANES"] == (preset == "3bit" and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
-    words = q_len == 1 and head_dim == 128
+    words = q_len == 1 and head_dim == 128 and preset != "3bit"
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
@@ -693,6 +695,21 @@ def test_decode_value_paths(value_words, preset, options):
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
            num_splits=3, tuning={"value_words": value_words}, **kw)
     _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)
+
+
+# 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators of D/4 coordinates
+@pytest.mark.parametrize("head_dim,options", [(128, False), (128, True), (256, True)])
+def test_decode_three_bit_value_planes(head_dim, options):
+    """3-bit value planes against the reference, with the exact prefix and ring (their values join the
+    4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates
+    each accumulator's coordinates back), and a prefill (17 queries of 4 heads: 32-row tiles)."""
+    layout = make_layout("3bit", 2, head_dim, key_centering=options, value_rotation=options)
+    assert value_planes(layout.config, head_dim)
+    kw = _fidelity_options(layout, 4) if options else {}
+    _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
+           num_splits=3, **kw)
+    _check(layout, [70, 33], 2, 4, **kw)
+    _check(layout, [70, 33], 17, 4, prefix_len=4, recent=(16, 0), **kw)
 
 
 # per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked

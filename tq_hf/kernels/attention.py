@@ -52,7 +52,7 @@ import triton.runtime.errors
 import triton.language as tl
 
 from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
-from ..layout import BlockLayout, key_planes
+from ..layout import BlockLayout, key_planes, value_planes
 from ._common import (
     ACTIVATION_DTYPES,
     check_key_offset,
@@ -108,14 +108,26 @@ def _value_nibbles(w, PTX: tl.constexpr):
 
 
 @triton.jit
-def _value_col(c, J: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr):
-    """The coordinate behind column c of 4-bit value accumulator J. Code i sits in byte i (low
+def _value_col(c, J: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, PLANES: tl.constexpr):
+    """The coordinate behind column c of value accumulator J. 4-bit: code i sits in byte i (low
     nibble) for i < D/2, else in byte i - D/2 (high nibble). WORDS: accumulator J holds nibble J
-    of 16-bit word c (_value_nibbles' order); bytes: accumulator 0 the low nibbles, 1 the high."""
-    if WORDS:
+    of 16-bit word c (_value_nibbles' order); bytes: accumulator 0 the low nibbles, 1 the high.
+    PLANES (3-bit values, layout.value_planes): accumulator J holds coordinates J * D/4 + c."""
+    if PLANES:
+        return J * (D // 4) + c
+    elif WORDS:
         return 2 * c + J // 2 + (J % 2) * (D // 2)
     else:
         return c + J * (D // 2)
+
+
+@triton.jit
+def _value_plane_codes(low, high, half, A: tl.constexpr):
+    """3-bit value codes of coordinates A * D/4 + j (layout.value_planes) from the 2-bit plane's bytes
+    `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
+    code * 2**-24: integer ops only, no int-to-float conversion."""
+    code = ((low >> (2 * A)) & 3) | (((high >> (2 * A + half)) & 1) << 2)
+    return code.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -228,11 +240,11 @@ def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
 @triton.jit
 def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos,
                 window, sm_scale, softcap, dc, vcol, D: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr,
-                VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                VALUE_PLANES: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
     rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
     from the unrotated query (exact keys need no q . mu). Values join the code accumulators
-    (4-bit values: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as the codes' fp16), or, under value_rotation, acc_x: an
+    (4-bit values and 3-bit value planes: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as the codes' fp16), or, under value_rotation, acc_x: an
     accumulator in the original space that the epilogue adds after rotating the codes' part back
     (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a)."""
     k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
@@ -250,19 +262,20 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
         acc3 = acc3 * alpha[:, None]
         acc_x = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc_x * alpha[:, None],
                        input_precision="tf32x3")
-    elif VALUE_BITS == 4:
-        v_ok = vcol < (D // 4 if VALUE_WORDS else D // 2)
-        # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x)
-        p_lo = p * (5.960464477539063e-08 if VALUE_WORDS else 1.0)
-        p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else 16.0)
-        acc0 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 0, D, VALUE_WORDS), v_ok),
+    elif VALUE_BITS == 4 or VALUE_PLANES:
+        v_ok = vcol < (D // 4 if (VALUE_WORDS or VALUE_PLANES) else D // 2)
+        # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x),
+        # 3-bit planes' subnormals x 2**-24
+        p_lo = p * (5.960464477539063e-08 if (VALUE_WORDS or VALUE_PLANES) else 1.0)
+        p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if VALUE_PLANES else 16.0))
+        acc0 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES), v_ok),
                       acc0 * alpha[:, None], input_precision="tf32x3")
-        acc1 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 1, D, VALUE_WORDS), v_ok),
+        acc1 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES), v_ok),
                       acc1 * alpha[:, None], input_precision="tf32x3")
-        if VALUE_WORDS:
-            acc2 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 2, D, VALUE_WORDS), v_ok),
+        if VALUE_WORDS or VALUE_PLANES:
+            acc2 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES), v_ok),
                           acc2 * alpha[:, None], input_precision="tf32x3")
-            acc3 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 3, D, VALUE_WORDS), v_ok),
+            acc3 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES), v_ok),
                           acc3 * alpha[:, None], input_precision="tf32x3")
     else:
         acc0 = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc0 * alpha[:, None],
@@ -279,7 +292,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
-               VALUE_WORDS: tl.constexpr,
+               VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
@@ -428,6 +441,16 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         vb = tl.load(plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         acc0 = tl.dot(ps, _nibbles_to_f16(vb, False), acc0 * alpha[:, None])
         acc1 = tl.dot(ps, _nibbles_to_f16(vb, True), acc1 * alpha[:, None])
+    elif VALUE_PLANES:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
+        v_row = plane[:, None] + T * KB + off[:, None] * VB
+        vm = tok_ok[:, None] & (vcol[None, :] < V_N)
+        low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
+        high = tl.load(v_row + V_N + (vcol % (D // 8))[None, :], mask=vm, other=0)
+        half = (vcol // (D // 8))[None, :]
+        acc0 = tl.dot(ps, _value_plane_codes(low, high, half, 0), acc0 * alpha[:, None])
+        acc1 = tl.dot(ps, _value_plane_codes(low, high, half, 1), acc1 * alpha[:, None])
+        acc2 = tl.dot(ps, _value_plane_codes(low, high, half, 2), acc2 * alpha[:, None])
+        acc3 = tl.dot(ps, _value_plane_codes(low, high, half, 3), acc3 * alpha[:, None])
     else:
         vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
         acc0 = tl.dot(ps, vc.to(tl.float16), acc0 * alpha[:, None])
@@ -472,6 +495,7 @@ def _attn_kernel(
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS decoded by value_nibbles.py's asm (else Triton integer ops)
+    VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
 ):
     pid = tl.program_id(0)
@@ -520,9 +544,9 @@ def _attn_kernel(
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
     hc = tl.arange(0, DHP)
-    VW: tl.constexpr = QP if VALUE_WORDS else DHP  # columns of each 4-bit value accumulator
+    VW: tl.constexpr = QP if (VALUE_WORDS or VALUE_PLANES) else DHP  # columns of each value accumulator
     vcol = tl.arange(0, VW)
-    V_N: tl.constexpr = D // 4 if VALUE_WORDS else D // 2  # real ones
+    V_N: tl.constexpr = D // 4 if (VALUE_WORDS or VALUE_PLANES) else D // 2  # real ones
     q_row = q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64) * s_qh + qi.to(tl.int64) * s_ql
     q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
     q_mu = 0.0  # placeholders of what only some variants compute (the walk's helper takes them all)
@@ -615,11 +639,13 @@ def _attn_kernel(
         m_i = tl.where(first, sink, m_i)
         l_i = tl.where(first, 1.0, l_i)
     # 4-bit values: acc_j accumulates coordinates _value_col(vcol, j) (4 accumulators from words, 2 from
-    # bytes) in the codes' fp16 scale (words: x 2**-24, odd j 2**-20; bytes: odd j 16 x); 3-bit: acc0 all D
-    acc0 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else DP), tl.float32)
-    acc1 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 else 16), tl.float32)
-    acc2 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, VW if VALUE_BITS == 4 and VALUE_WORDS else 16), tl.float32)
+    # bytes) in the codes' fp16 scale (words: x 2**-24, odd j 2**-20; bytes: odd j 16 x); 3-bit value
+    # planes: 4 accumulators, x 2**-24; the 3-bit bit stream: acc0 all D
+    FOUR_ACC: tl.constexpr = VALUE_WORDS or VALUE_PLANES
+    acc0 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else DP), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else 16), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, VW if FOUR_ACC else 16), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, VW if FOUR_ACC else 16), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
@@ -643,7 +669,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, VALUE_PTX,
             META_PAIRS, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
@@ -651,7 +677,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, VALUE_PTX,
             META_PAIRS, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
@@ -666,7 +692,7 @@ def _attn_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkp, pv_row, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, D, VALUE_BITS, VALUE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
         if split == exact_split_last:
@@ -679,7 +705,7 @@ def _attn_kernel(
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
                     q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
                     rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol,
-                    D, VALUE_BITS, VALUE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                    D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
     has = l_i > 0
@@ -692,36 +718,36 @@ def _attn_kernel(
         dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
     else:
         dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
-    if VALUE_BITS == 4:
-        inv_lo = inv_l * (16777216.0 if VALUE_WORDS else 1.0)  # back from the codes' fp16 scale (acc0..3 above)
-        inv_hi = inv_l * (1048576.0 if VALUE_WORDS else 0.0625)
+    if VALUE_BITS == 4 or VALUE_PLANES:
+        inv_lo = inv_l * (16777216.0 if FOUR_ACC else 1.0)  # back from the codes' fp16 scale (acc0..3 above)
+        inv_hi = inv_l * (1048576.0 if VALUE_WORDS else (16777216.0 if VALUE_PLANES else 0.0625))
         out0 = acc0 * inv_lo[:, None] + bias_out[:, None]
         out1 = acc1 * inv_hi[:, None] + bias_out[:, None]
-        if VALUE_WORDS:
+        if FOUR_ACC:
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
         if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < V_N) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
-            out = tl.dot(out0, tl.load(rv + _value_col(vcol, 0, D, VALUE_WORDS)[:, None] * D, mask=rmask, other=0.0),
+            out = tl.dot(out0, tl.load(rv + _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
                          input_precision="tf32x3")
-            out = tl.dot(out1, tl.load(rv + _value_col(vcol, 1, D, VALUE_WORDS)[:, None] * D, mask=rmask, other=0.0),
+            out = tl.dot(out1, tl.load(rv + _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
                          out, input_precision="tf32x3")
-            if VALUE_WORDS:
-                out = tl.dot(out2, tl.load(rv + _value_col(vcol, 2, D, VALUE_WORDS)[:, None] * D, mask=rmask, other=0.0),
+            if FOUR_ACC:
+                out = tl.dot(out2, tl.load(rv + _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
                              out, input_precision="tf32x3")
-                out = tl.dot(out3, tl.load(rv + _value_col(vcol, 3, D, VALUE_WORDS)[:, None] * D, mask=rmask, other=0.0),
+                out = tl.dot(out3, tl.load(rv + _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
                              out, input_precision="tf32x3")
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
             store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
         else:
             om = row_ok[:, None] & (vcol[None, :] < V_N)
-            store_rounded(dst + _value_col(vcol, 0, D, VALUE_WORDS)[None, :], out0, om)
-            store_rounded(dst + _value_col(vcol, 1, D, VALUE_WORDS)[None, :], out1, om)
-            if VALUE_WORDS:
-                store_rounded(dst + _value_col(vcol, 2, D, VALUE_WORDS)[None, :], out2, om)
-                store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS)[None, :], out3, om)
+            store_rounded(dst + _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES)[None, :], out0, om)
+            store_rounded(dst + _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES)[None, :], out1, om)
+            if FOUR_ACC:
+                store_rounded(dst + _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES)[None, :], out2, om)
+                store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES)[None, :], out3, om)
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
         if VALUE_ROT:
@@ -1103,18 +1129,28 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
+    if value_planes(cfg, d):
+        # likewise the 3-bit value planes: their 64-row prefill tiles faulted (illegal address, H200 GPU
+        # tests of session 11 calls 2 and 6, with the codes as subnormals and by the 0x6400 trick alike),
+        # so their compressed-mode prefill runs 32-row tiles (8k tokens 6.2 -> 12.9 ms, call 5)
+        block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
+    if value_planes(cfg, d) and on_gpu and block_m > 32:
+        raise ValueError(f"3-bit value planes need row tiles of <= 32 rows on a GPU, got tuning block_m {block_m} "
+                         "(64-row tiles faulted on an H200)")
     num_warps = tuning.get("num_warps", 2 if narrow else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register, decoded as fp16 subnormals):
     # decode tiles of <= 32 rows only (the mma.sync path: the GPU tests of 2026-11-30 failed for
     # 64-row wgmma tiles), and on a GPU only where every warp gets a column tile of its own
     # (D/4 >= 8 x warps; at head_dim 64 the words measured 2.1x slower than the bytes, H200)
-    value_words = decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
+    value_words = cfg.value_bits == 4 and decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
     value_words = bool(tuning.get("value_words", value_words))
+    if value_words and cfg.value_bits != 4:
+        raise ValueError(f"tuning value_words=True needs 4-bit values, got {cfg.value_bits}-bit")
     if value_words and on_gpu and (block_m > 32 or d // 4 < 16):
         raise ValueError(f"tuning value_words=True needs row tiles of <= 32 rows and head_dim >= 64 on a GPU, got "
                          f"block_m {block_m}, head_dim {d} (64-row tiles computed wrong results on an H200)")
@@ -1171,7 +1207,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
-        KEY_PLANES=use_planes,
+        KEY_PLANES=use_planes, VALUE_PLANES=value_planes(cfg, d),
         META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )

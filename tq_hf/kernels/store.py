@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codebook import is_symmetric
-from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
 from ._common import (
     ACTIVATION_DTYPES,
     bf16_bits_to_f32,
@@ -125,6 +125,20 @@ def _store_key_planes(row, code, ok, BLOCK_T: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _store_value_planes(row, code, ok, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Write codes [BLOCK_T, D] as the 2-bit plane and the bit plane of layout.py at the value rows `row`
+    [BLOCK_T, 1]: byte j of the first = the low bits of coordinates a * D/4 + j at bits 2a; byte i of the
+    second = bit 2 of coordinates t * D/8 + i at bit t. Disjoint bits, so sums are ors."""
+    Q: tl.constexpr = D // 4
+    E: tl.constexpr = D // 8
+    low = tl.sum(tl.reshape(code & 3, (BLOCK_T, 4, Q)) << (2 * tl.arange(0, 4))[None, :, None], axis=1)
+    high = tl.sum(tl.reshape((code >> 2) & 1, (BLOCK_T, 8, E)) << tl.arange(0, 8)[None, :, None], axis=1)
+    m = ok[:, None]
+    tl.store(row + tl.arange(0, Q)[None, :], low.to(tl.uint8), mask=m)
+    tl.store(row + Q + tl.arange(0, E)[None, :], high.to(tl.uint8), mask=m)
+
+
+@triton.jit
 def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
     q = tl.floor(tl.math.div_rn(x - mid[:, None], div[:, None]) + (HALF + 0.5))
     return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
@@ -144,6 +158,7 @@ def _store_kernel(
     N, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
     KEY_PLANES: tl.constexpr,  # 3-bit keys as code planes (layout.key_planes)
+    VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes)
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -248,7 +263,10 @@ def _store_kernel(
             tl.store(plane[:, None] + T * KB + off[:, None] * VB + hc[None, :], (q_lo | (q_hi << 4)).to(tl.uint8), mask=hmask)
         else:
             q = _value_codes(xv, mid, div, HALF, LEVELS)
-            _store3(plane[:, None] + T * KB + off[:, None] * VB + 3 * g[None, :], q, gmask, BLOCK_T, GP)
+            if VALUE_PLANES:
+                _store_value_planes(plane[:, None] + T * KB + off[:, None] * VB, q, ok, BLOCK_T, D)
+            else:
+                _store3(plane[:, None] + T * KB + off[:, None] * VB + 3 * g[None, :], q, gmask, BLOCK_T, GP)
         _store_meta(plane, 1, off, T, META, vscale_bits, ok)
         _store_meta(plane, 2, off, T, META, mid_bits, ok)
 
@@ -340,6 +358,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(
             D=d, DP=next_pow2(d), DHP=next_pow2(d // 2), GP=next_pow2(d // 8), KEY_PLANES=key_planes(cfg, d),
+            VALUE_PLANES=value_planes(cfg, d),
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
