@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS
+from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS, PLANES_ASM
 
 from ptx_emulator import run
 
@@ -32,3 +32,25 @@ def test_every_word_becomes_its_four_nibbles_as_fp16_subnormals():
             bad = np.nonzero(values != want[j] * 2.0 ** -24)[0]
             assert bad.size == 0, (f"output ${j}, {'low' if low_half else 'high'} half: word {int(words[bad[0]]):#06x} "
                                    f"-> {values[bad[0]]!r}, want {want[j][bad[0]] * 2.0 ** -24!r} ({bad.size} wrong)")
+
+
+def test_every_plane_word_becomes_its_four_3bit_codes_as_fp16_subnormals():
+    """3-bit value planes: each 16-bit half (a token's 2-bit-plane byte L, its column's bit-plane bits at
+    bits 8 + 2a) gives, in the same half of output $a, the fp16 value code * 2**-24 of
+    code = (L >> 2a & 3) | (bit 8 + 2a) << 2, whatever the other half holds."""
+    words = np.arange(1 << 16, dtype=np.uint32)
+    other = (words * 40503 + 12345) & 0xFFFF
+    for low_half in (True, False):
+        regs = (words | (other << 16)) if low_half else (other | (words << 16))
+        outs = {a: np.empty(len(words), np.uint32) for a in range(4)}
+        for i, r in enumerate(regs.tolist()):
+            got = run(PLANES_ASM, {4: r})
+            for a in range(4):
+                outs[a][i] = got[a]
+        for a in range(4):
+            want = ((words >> (2 * a)) & 3) | (((words >> (8 + 2 * a)) & 1) << 2)
+            half = (outs[a] & 0xFFFF) if low_half else (outs[a] >> 16)
+            values = half.astype(np.uint16).view(np.float16).astype(np.float64)
+            bad = np.nonzero(values != want * 2.0 ** -24)[0]
+            assert bad.size == 0, (f"output ${a}, {'low' if low_half else 'high'} half: word {int(words[bad[0]]):#06x} "
+                                   f"-> {values[bad[0]]!r}, want {int(want[bad[0]])} * 2**-24 ({bad.size} wrong)")

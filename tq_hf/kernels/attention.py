@@ -66,7 +66,7 @@ from ._common import (
     value_rotation_tensor,
 )
 from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm, lut_asm
-from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS
+from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, value_key
 from .reduce import reduce_site
 
@@ -74,6 +74,7 @@ LOG2E = 1.4426950408889634
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
 VALUE_NIBBLES_ASM = tl.constexpr(_VALUE_NIBBLES_ASM)
 VALUE_NIBBLES_CONSTRAINTS = tl.constexpr(_VALUE_NIBBLES_CONSTRAINTS)
+VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
 
 
 @triton.jit
@@ -122,12 +123,22 @@ def _value_col(c, J: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, PLANES:
 
 
 @triton.jit
-def _value_plane_codes(low, high, half, A: tl.constexpr):
-    """3-bit value codes of coordinates A * D/4 + j (layout.value_planes) from the 2-bit plane's bytes
-    `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
-    code * 2**-24: integer ops only, no int-to-float conversion."""
-    code = ((low >> (2 * A)) & 3) | (((high >> (2 * A + half)) & 1) << 2)
-    return code.to(tl.int16).to(tl.float16, bitcast=True)
+def _value_plane_words(low, high, half, PTX: tl.constexpr):
+    """3-bit value codes (layout.value_planes) of coordinates a * D/4 + j, a = 0..3, from the 2-bit plane's
+    bytes `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
+    code * 2**-24. One 16-bit word per token and column (low | the column's bit-plane bits << 8) feeds a
+    mask-only decode of two tokens per register (value_nibbles.PLANES_ASM), as the 4-bit value words do."""
+    w = low.to(tl.uint16) | (((high >> half) & 0x55).to(tl.uint16) << 8)
+    if PTX:
+        n0, n1, n2, n3 = tl.inline_asm_elementwise(VALUE_PLANES_ASM, VALUE_NIBBLES_CONSTRAINTS, [w],
+                                                   dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                   is_pure=True, pack=2)
+    else:
+        n0 = ((w & 0x0003) | ((w >> 6) & 0x0004)).to(tl.float16, bitcast=True)
+        n1 = (((w >> 2) & 0x0003) | ((w >> 8) & 0x0004)).to(tl.float16, bitcast=True)
+        n2 = (((w >> 4) & 0x0003) | ((w >> 10) & 0x0004)).to(tl.float16, bitcast=True)
+        n3 = (((w >> 6) & 0x0003) | ((w >> 12) & 0x0004)).to(tl.float16, bitcast=True)
+    return n0, n1, n2, n3
 
 
 @triton.jit
@@ -446,11 +457,11 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + V_N + (vcol % (D // 8))[None, :], mask=vm, other=0)
-        half = (vcol // (D // 8))[None, :]
-        acc0 = tl.dot(ps, _value_plane_codes(low, high, half, 0), acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, _value_plane_codes(low, high, half, 1), acc1 * alpha[:, None])
-        acc2 = tl.dot(ps, _value_plane_codes(low, high, half, 2), acc2 * alpha[:, None])
-        acc3 = tl.dot(ps, _value_plane_codes(low, high, half, 3), acc3 * alpha[:, None])
+        v0, v1, v2, v3 = _value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX)
+        acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
     else:
         vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
         acc0 = tl.dot(ps, vc.to(tl.float16), acc0 * alpha[:, None])
@@ -494,7 +505,7 @@ def _attn_kernel(
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
-    VALUE_PTX: tl.constexpr,  # VALUE_WORDS decoded by value_nibbles.py's asm (else Triton integer ops)
+    VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
 ):
@@ -1113,7 +1124,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
             # 0.5823 -> 0.5431 ms, the preset's defaults 0.6654 -> 0.5151; at B=1 slower (0.0647 -> 0.1110)
-            # (eval/results/gpu_checks/session10/call2, call3)
+            # (eval/results/gpu_checks/session10/call2, call3). 3bit B=16 with the preset's defaults: 0.719 ms
+            # vs 0.826 in 168 registers (plain 0.741 vs 0.681: gpu_checks/session11/call7)
             maxnreg = 128
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch (2-8 sequences of 8 KV heads): 2-warp programs on 128-token tiles, twice the
@@ -1204,7 +1216,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
-        VALUE_WORDS=value_words, VALUE_PTX=value_words and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
+        VALUE_WORDS=value_words, VALUE_PTX=(value_words or value_planes(cfg, d)) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=value_planes(cfg, d),
