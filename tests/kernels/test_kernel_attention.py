@@ -480,6 +480,19 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     assert (seen["BLOCK_N"], seen.get("maxnreg")) == (block_n, 128 if batch == 16 else None), seen
 
 
+def test_gpu_value_planes_take_32_row_tiles(monkeypatch):
+    """3-bit value planes: a prefill takes 32-row tiles on a GPU (64-row ones faulted on an H200), and
+    forcing 64 rows is refused with the reason."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout("3bit", 2, 128)
+    pool, table = fill_cache(layout, [40], "cpu")
+    unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1)
+    assert seen["VALUE_PLANES"] is True and seen["BLOCK_M"] == 32, seen
+    with pytest.raises(ValueError, match="3-bit value planes need row tiles of <= 32 rows"):
+        unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                          tuning={"block_m": 64})
+
+
 def test_gpu_value_words_refused_where_unverified(monkeypatch):
     """Forcing the 16-bit value words onto a 64-row (wgmma) tile is refused with the reason; a decode
     tile takes them."""
