@@ -482,7 +482,7 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
 
 def test_gpu_value_planes_take_32_row_tiles(monkeypatch):
     """3-bit value planes: a prefill takes 32-row tiles on a GPU (64-row ones faulted on an H200), and
-    forcing 64 rows is refused with the reason."""
+    forcing 64 rows, or the 4-bit value words, is refused with the reason."""
     seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("3bit", 2, 128)
     pool, table = fill_cache(layout, [40], "cpu")
@@ -491,6 +491,9 @@ def test_gpu_value_planes_take_32_row_tiles(monkeypatch):
     with pytest.raises(ValueError, match="3-bit value planes need row tiles of <= 32 rows"):
         unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
                           tuning={"block_m": 64})
+    with pytest.raises(ValueError, match="value_words=True needs 4-bit values, got 3-bit"):
+        unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                          tuning={"value_words": True})
 
 
 def test_gpu_value_words_refused_where_unverified(monkeypatch):

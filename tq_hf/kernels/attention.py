@@ -254,9 +254,9 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
                 VALUE_PLANES: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
     rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
-    from the unrotated query (exact keys need no q . mu). Values join the code accumulators
-    (4-bit values and 3-bit value planes: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as the codes' fp16), or, under value_rotation, acc_x: an
-    accumulator in the original space that the epilogue adds after rotating the codes' part back
+    from the unrotated query (exact keys need no q . mu). Values join the code accumulators (4-bit
+    values and 3-bit value planes: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as
+    the codes' fp16), or, under value_rotation, acc_x: an accumulator in the original space that the epilogue adds after rotating the codes' part back
     (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a)."""
     k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
     s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3") * sm_scale
@@ -1141,7 +1141,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
-    if value_planes(cfg, d):
+    planes_v = value_planes(cfg, d)
+    if planes_v:
         # likewise the 3-bit value planes: their 64-row prefill tiles faulted (illegal address, H200 GPU
         # tests of session 11 calls 2 and 6, with the codes as subnormals and by the 0x6400 trick alike),
         # so their compressed-mode prefill runs 32-row tiles (8k tokens 6.2 -> 12.9 ms, call 5)
@@ -1151,7 +1152,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
-    if value_planes(cfg, d) and on_gpu and block_m > 32:
+    if planes_v and on_gpu and block_m > 32:
         raise ValueError(f"3-bit value planes need row tiles of <= 32 rows on a GPU, got tuning block_m {block_m} "
                          "(64-row tiles faulted on an H200)")
     num_warps = tuning.get("num_warps", 2 if narrow else 4)
@@ -1216,10 +1217,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
-        VALUE_WORDS=value_words, VALUE_PTX=(value_words or value_planes(cfg, d)) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
+        VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
-        KEY_PLANES=use_planes, VALUE_PLANES=value_planes(cfg, d),
+        KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
