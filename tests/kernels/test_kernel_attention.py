@@ -430,7 +430,7 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     ("k8v4", 2, 1, False, 128, None),
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
-    ("3bit", 16, 1, True, 128, 128),  # 3-bit values (value planes) next to the key planes, likewise
+    ("3bit", 16, 1, True, 128, 168),  # 3-bit values (value planes) next to the key planes: plain in 168
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
 def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
@@ -494,6 +494,19 @@ def test_gpu_value_planes_take_32_row_tiles(monkeypatch):
     with pytest.raises(ValueError, match="value_words=True needs 4-bit values, got 3-bit"):
         unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
                           tuning={"value_words": True})
+
+
+@pytest.mark.parametrize("options,maxnreg", [(False, 168), (True, 128)])
+def test_gpu_three_bit_register_caps(monkeypatch, options, maxnreg):
+    """The 3bit preset's planes at B=16 on an H200: the plain format in 168 registers, with centering and
+    value rotation in 128 (measured each way, gpu_checks/session11/call7)."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
+    pool, table = fill_cache(layout, [64] * 16, "cpu")
+    kw = {"key_offset": torch.zeros(8, 128)} if options else {}
+    unified_attention(torch.randn(16, 32, 1, 128), pool, layout, table, torch.full((16,), 65), 0.1,
+                      max_seq_len=32768, **kw)
+    assert seen.get("maxnreg") == maxnreg, seen
 
 
 def test_gpu_value_words_refused_where_unverified(monkeypatch):

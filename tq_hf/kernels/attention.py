@@ -1124,9 +1124,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
             # 0.5823 -> 0.5431 ms, the preset's defaults 0.6654 -> 0.5151; at B=1 slower (0.0647 -> 0.1110)
-            # (eval/results/gpu_checks/session10/call2, call3). 3bit B=16 with the preset's defaults: 0.719 ms
-            # vs 0.826 in 168 registers (plain 0.741 vs 0.681: gpu_checks/session11/call7)
-            maxnreg = 128
+            # (eval/results/gpu_checks/session10/call2, call3). 3bit B=16 with the preset's defaults 0.719 ms
+            # vs 0.826 in 168 registers, but its plain format 0.741 vs 0.681 (gpu_checks/session11/call7)
+            maxnreg = 168 if cfg.value_bits == 3 and plain_format else 128
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch (2-8 sequences of 8 KV heads): 2-warp programs on 128-token tiles, twice the
             # splits below (the same warps per SM). H200, S=32k plain 4bit, B=2/4/8: 0.0557 -> 0.0550,
