@@ -586,14 +586,17 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
-    elif KEY_BITS == 3 and KEY_PLANES and D == 128:
-        # 32-row windows of the 16-byte planes (_pool_tile): the rotated query's coordinates of each window's
-        # rows, 0 for the rows that hold no code of it
+    elif KEY_BITS == 3 and KEY_PLANES:
+        # the rotated query's coordinates of each key tile's rows (_pool_tile), 0 for the rows that hold no code:
+        # D = 128, six 32-row windows of the 16-byte planes; D = 256, the 8 code planes (coordinates c * 32 + j)
         r32 = tl.arange(0, 32)
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
-        for w in tl.static_range(6):
-            if w < 2:  # window X, bytes 0..31: nibble w of planes 0 (rows 0..15) and 1 (rows 16..31)
+        for w in tl.static_range(6 if D == 128 else 8):
+            if D != 128:
+                coord = w * 32 + r32
+                ok_r = r32 < 32
+            elif w < 2:  # window X, bytes 0..31: nibble w of planes 0 (rows 0..15) and 1 (rows 16..31)
                 coord = (w + 2 * (r32 // 16)) * 16 + r32 % 16
                 ok_r = r32 < 32
             else:  # codes 4, 5 (window Z, plane 2) and 6, 7 (window E, the spare bits): rows 0..15
@@ -605,24 +608,8 @@ def _attn_kernel(
             qp = qp + (q_w,)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         qh = ()
-        for w in tl.static_range(6):
+        for w in tl.static_range(6 if D == 128 else 8):
             qh = qh + ((qp[w] / qdiv).to(tl.float16),)
-        qp = qh
-    elif KEY_BITS == 3 and KEY_PLANES:
-        # the rotated query's coordinates c * J + j (j < J = D/8) for code plane c: q @ R[c*J : (c+1)*J]^T
-        J: tl.constexpr = D // 8
-        jj = tl.arange(0, J)
-        qp = ()
-        qmax = tl.zeros((BLOCK_M,), tl.float32)
-        for c in tl.static_range(8):
-            r_c = tl.load(rot_ptr + (c * J + jj)[None, :] * D + dc[:, None], mask=(dc[:, None] < D), other=0.0)
-            q_c = tl.dot(q, r_c, input_precision="tf32x3")
-            qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=1))
-            qp = qp + (q_c,)
-        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
-        qh = ()
-        for c in tl.static_range(8):
-            qh = qh + ((qp[c] / qdiv).to(tl.float16),)
         qp = qh
     else:
         q_key = q  # the query in the keys' space
