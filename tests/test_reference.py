@@ -188,17 +188,6 @@ def _pack_key_planes_naive(codes: list[int]) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("dim", [128, 256])
-def test_pack_3bit_keys_matches_naive_planes(dim):
-    codes = torch.randint(0, 8, (5, dim))
-    packed = ref.pack_key_codes(codes, 3, planes=True)
-    assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
-    for row in range(5):
-        assert packed[row].tolist() == _pack_key_planes_naive(codes[row].tolist())
-    assert torch.equal(ref.unpack_key_codes(packed, 3, dim, planes=True), codes)
-    stream = ref.pack_key_codes(codes, 3, planes=False)  # without planes: the values' bit stream
-    assert stream[0].tolist() == _pack_bits_naive(codes[0].tolist(), 3)
-    assert torch.equal(ref.unpack_key_codes(stream, 3, dim, planes=False), codes)
 
 
 def test_which_formats_store_key_planes():
@@ -227,17 +216,22 @@ def _pack_value_planes_naive(codes: list[int]) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("kind", ["key", "value"])
 @pytest.mark.parametrize("dim", [128, 256])
-def test_pack_3bit_values_matches_naive_planes(dim):
+def test_pack_3bit_planes_match_naive(kind, dim):
+    """Key planes and value planes against their one-bit-at-a-time packers; without planes both are the
+    3-bit bit stream."""
+    pack, unpack = (ref.pack_key_codes, ref.unpack_key_codes) if kind == "key" else (ref.pack_value_codes, ref.unpack_value_codes)
+    naive = _pack_key_planes_naive if kind == "key" else _pack_value_planes_naive
     codes = torch.randint(0, 8, (5, dim))
-    packed = ref.pack_value_codes(codes, 3, planes=True)
+    packed = pack(codes, 3, planes=True)
     assert packed.dtype == torch.uint8 and packed.shape == (5, dim * 3 // 8)
     for row in range(5):
-        assert packed[row].tolist() == _pack_value_planes_naive(codes[row].tolist())
-    assert torch.equal(ref.unpack_value_codes(packed, 3, dim, planes=True), codes)
-    stream = ref.pack_value_codes(codes, 3, planes=False)
-    assert torch.equal(stream, ref.pack_codes(codes, 3))
-    assert torch.equal(ref.unpack_value_codes(stream, 3, dim, planes=False), codes)
+        assert packed[row].tolist() == naive(codes[row].tolist())
+    assert torch.equal(unpack(packed, 3, dim, planes=True), codes)
+    stream = pack(codes, 3, planes=False)
+    assert stream[0].tolist() == _pack_bits_naive(codes[0].tolist(), 3)
+    assert torch.equal(unpack(stream, 3, dim, planes=False), codes)
 
 
 def test_pack_3bit_values_known_bytes():
