@@ -166,6 +166,22 @@ def _spare_codes(p0, p1, p2):
 
 
 @triton.jit
+def _lookup_dots(s, q_lo, q_hi, codes, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr):
+    """s (None: none yet) plus the scores of a 3-bit code byte tile [rows, N] (two codes per byte, bits 0-2 and 4-6) by
+    key_lut.py's byte-permute lookup, decoded in the MMA's B-operand layout; q_lo, q_hi: the query's
+    coordinates of each row's low and high code."""
+    s = tl.dot(q_lo, tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [codes], dtype=tl.float16, is_pure=True, pack=4), s)
+    return tl.dot(q_hi, tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [codes], dtype=tl.float16, is_pure=True, pack=4), s)
+
+
+@triton.jit
+def _gather_dots(s, q_lo, q_hi, codes, table):
+    """_lookup_dots by gathers from the centroid table [N, 8]; codes [N, rows]."""
+    s = tl.dot(q_lo, tl.trans(tl.gather(table, (codes & 7).to(tl.int32), 1)), s)
+    return tl.dot(q_hi, tl.trans(tl.gather(table, (codes >> 4).to(tl.int32) & 7, 1)), s)
+
+
+@triton.jit
 def _load_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
     ptr = (plane + META + (field * T + off) * 2).to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
@@ -346,24 +362,18 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             y = tl.load(kw + 16, mask=tok_ok[None, :], other=0)
             z = tl.load(kw + 32, mask=tok_ok[None, :] & (r32[:, None] < 16), other=0)
             e = _spare_codes(x, y, z)
-            s = tl.dot(qp[0], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [x], dtype=tl.float16, is_pure=True, pack=4))
-            s = tl.dot(qp[1], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [x], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[2], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [z], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[3], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [z], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[4], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [e], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[5], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [e], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = _lookup_dots(None, qp[0], qp[1], x, LUT_LO, LUT_HI)
+            s = _lookup_dots(s, qp[2], qp[3], z, LUT_LO, LUT_HI)
+            s = _lookup_dots(s, qp[4], qp[5], e, LUT_LO, LUT_HI)
         else:
             kw = plane[:, None] + off[:, None] * KB + r32[None, :]
             x = tl.load(kw, mask=tok_ok[:, None], other=0)
             y = tl.load(kw + 16, mask=tok_ok[:, None], other=0)
             z = tl.load(kw + 32, mask=tok_ok[:, None] & (r32[None, :] < 16), other=0)
             e = _spare_codes(x, y, z)
-            s = tl.dot(qp[0], tl.trans(tl.gather(table, (x & 7).to(tl.int32), 1)))
-            s = tl.dot(qp[1], tl.trans(tl.gather(table, (x >> 4).to(tl.int32) & 7, 1)), s)
-            s = tl.dot(qp[2], tl.trans(tl.gather(table, (z & 7).to(tl.int32), 1)), s)
-            s = tl.dot(qp[3], tl.trans(tl.gather(table, (z >> 4).to(tl.int32) & 7, 1)), s)
-            s = tl.dot(qp[4], tl.trans(tl.gather(table, (e & 7).to(tl.int32), 1)), s)
-            s = tl.dot(qp[5], tl.trans(tl.gather(table, (e >> 4).to(tl.int32) & 7, 1)), s)
+            s = _gather_dots(None, qp[0], qp[1], x, table)
+            s = _gather_dots(s, qp[2], qp[3], z, table)
+            s = _gather_dots(s, qp[4], qp[5], e, table)
     elif KEY_BITS == 3 and KEY_PLANES:  # qp[c]: the query's coordinates c * J + j, one dot per code plane
         J: tl.constexpr = D // 8
         jj = tl.arange(0, J)
@@ -372,29 +382,20 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             p0 = tl.load(kp, mask=tok_ok[None, :], other=0)
             p1 = tl.load(kp + J, mask=tok_ok[None, :], other=0)
             p2 = tl.load(kp + 2 * J, mask=tok_ok[None, :], other=0)
-            s = tl.dot(qp[0], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p0], dtype=tl.float16, is_pure=True, pack=4))
-            s = tl.dot(qp[1], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p0], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[2], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p1], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[3], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p1], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[4], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p2], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[5], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p2], dtype=tl.float16, is_pure=True, pack=4), s)
-            p67 = _spare_codes(p0, p1, p2)
-            s = tl.dot(qp[6], tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [p67], dtype=tl.float16, is_pure=True, pack=4), s)
-            s = tl.dot(qp[7], tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [p67], dtype=tl.float16, is_pure=True, pack=4), s)
+            s = _lookup_dots(None, qp[0], qp[1], p0, LUT_LO, LUT_HI)
+            s = _lookup_dots(s, qp[2], qp[3], p1, LUT_LO, LUT_HI)
+            s = _lookup_dots(s, qp[4], qp[5], p2, LUT_LO, LUT_HI)
+            s = _lookup_dots(s, qp[6], qp[7], _spare_codes(p0, p1, p2), LUT_LO, LUT_HI)
         else:
             kp = plane[:, None] + off[:, None] * KB + jj[None, :]
             p0 = tl.load(kp, mask=tok_ok[:, None], other=0)
             p1 = tl.load(kp + J, mask=tok_ok[:, None], other=0)
             p2 = tl.load(kp + 2 * J, mask=tok_ok[:, None], other=0)
             p67 = _spare_codes(p0, p1, p2)
-            s = tl.dot(qp[0], tl.trans(tl.gather(table, (p0 & 7).to(tl.int32), 1)))
-            s = tl.dot(qp[1], tl.trans(tl.gather(table, (p0 >> 4).to(tl.int32) & 7, 1)), s)
-            s = tl.dot(qp[2], tl.trans(tl.gather(table, (p1 & 7).to(tl.int32), 1)), s)
-            s = tl.dot(qp[3], tl.trans(tl.gather(table, (p1 >> 4).to(tl.int32) & 7, 1)), s)
-            s = tl.dot(qp[4], tl.trans(tl.gather(table, (p2 & 7).to(tl.int32), 1)), s)
-            s = tl.dot(qp[5], tl.trans(tl.gather(table, (p2 >> 4).to(tl.int32) & 7, 1)), s)
-            s = tl.dot(qp[6], tl.trans(tl.gather(table, (p67 & 7).to(tl.int32), 1)), s)
-            s = tl.dot(qp[7], tl.trans(tl.gather(table, (p67 >> 4).to(tl.int32), 1)), s)
+            s = _gather_dots(None, qp[0], qp[1], p0, table)
+            s = _gather_dots(s, qp[2], qp[3], p1, table)
+            s = _gather_dots(s, qp[4], qp[5], p2, table)
+            s = _gather_dots(s, qp[6], qp[7], p67, table)
     elif KEY_BITS == 3:
         kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
         k = tl.gather(table, kc, 1)
