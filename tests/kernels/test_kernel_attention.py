@@ -480,17 +480,14 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     assert (seen["BLOCK_N"], seen.get("maxnreg")) == (block_n, 128 if batch == 16 else None), seen
 
 
-def test_gpu_value_planes_take_32_row_tiles(monkeypatch):
-    """3-bit value planes: a prefill takes 32-row tiles on a GPU (64-row ones faulted on an H200), and
-    forcing 64 rows, or the 4-bit value words, is refused with the reason."""
+def test_gpu_value_planes_in_64_row_tiles(monkeypatch):
+    """3-bit value planes: a prefill takes 64-row tiles on a GPU (there 2 accumulators, _value_plane_bytes);
+    forcing the 4-bit value words onto 3-bit values is refused with the reason."""
     seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("3bit", 2, 128)
     pool, table = fill_cache(layout, [40], "cpu")
     unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1)
-    assert seen["VALUE_PLANES"] is True and seen["BLOCK_M"] == 32, seen
-    with pytest.raises(ValueError, match="3-bit value planes need row tiles of <= 32 rows"):
-        unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                          tuning={"block_m": 64})
+    assert seen["VALUE_PLANES"] is True and seen["BLOCK_M"] == 64, seen
     with pytest.raises(ValueError, match="value_words=True needs 4-bit values, got 3-bit"):
         unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
                           tuning={"value_words": True})
@@ -732,7 +729,7 @@ def test_decode_value_paths(value_words, preset, options):
 def test_decode_three_bit_value_planes(head_dim, options):
     """3-bit value planes against the reference, with the exact prefix and ring (their values join the
     4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates
-    each accumulator's coordinates back), and a prefill (17 queries of 4 heads: 32-row tiles)."""
+    each accumulator's coordinates back), and a prefill (17 queries of 4 heads: 64-row tiles, 2 accumulators)."""
     layout = make_layout("3bit", 2, head_dim, key_centering=options, value_rotation=options)
     assert value_planes(layout.config, head_dim)
     kw = _fidelity_options(layout, 4) if options else {}

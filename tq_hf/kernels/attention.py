@@ -142,6 +142,17 @@ def _value_plane_words(low, high, half, PTX: tl.constexpr):
 
 
 @triton.jit
+def _value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
+    """3-bit value codes (layout.value_planes) of coordinates J * D/2 + c as fp16 codes (the 0x6400 trick),
+    for 64-row (wgmma) tiles, where the plane words' 4 accumulators of D/4 columns faulted (H200): column c
+    is code a = 2J + c // (D/4) of byte j = c % (D/4) (low: 2-bit plane byte j, high: bit-plane byte j % (D/8))."""
+    a = (2 * J + c // (D // 4))[None, :]
+    half = ((c % (D // 4)) // (D // 8))[None, :]
+    code = ((low >> (2 * a)) & 3) | (((high >> (2 * a + half)) & 1) << 2)
+    return (code | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _unpack3(plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
     """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * GP] of the rows at byte
     offsets row_off: each 3-byte group is loaded once (three strided byte loads), joined into
@@ -267,12 +278,14 @@ def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
 @triton.jit
 def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos,
                 window, sm_scale, softcap, dc, vcol, D: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr,
-                VALUE_PLANES: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
     rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
     from the unrotated query (exact keys need no q . mu). Values join the code accumulators (4-bit
     values and 3-bit value planes: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as
-    the codes' fp16), or, under value_rotation, acc_x: an accumulator in the original space that the epilogue adds after rotating the codes' part back
+    the codes' fp16), or, under value_rotation, acc_x: an accumulator in the original space that the
+    epilogue adds after rotating the codes' part back
     (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a)."""
     k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
     s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3") * sm_scale
@@ -290,19 +303,20 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
         acc_x = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc_x * alpha[:, None],
                        input_precision="tf32x3")
     elif VALUE_BITS == 4 or VALUE_PLANES:
-        v_ok = vcol < (D // 4 if (VALUE_WORDS or VALUE_PLANES) else D // 2)
+        v_ok = vcol < (D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2)
         # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x),
-        # 3-bit planes' subnormals x 2**-24
-        p_lo = p * (5.960464477539063e-08 if (VALUE_WORDS or VALUE_PLANES) else 1.0)
-        p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if VALUE_PLANES else 16.0))
-        acc0 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES), v_ok),
+        # 3-bit plane words' subnormals x 2**-24, 3-bit plane bytes the codes themselves
+        p_lo = p * (5.960464477539063e-08 if (VALUE_WORDS or PLANE_WORDS) else 1.0)
+        p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if PLANE_WORDS else
+                                                              (1.0 if VALUE_PLANES else 16.0)))
+        acc0 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok),
                       acc0 * alpha[:, None], input_precision="tf32x3")
-        acc1 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES), v_ok),
+        acc1 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok),
                       acc1 * alpha[:, None], input_precision="tf32x3")
-        if VALUE_WORDS or VALUE_PLANES:
-            acc2 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES), v_ok),
+        if VALUE_WORDS or PLANE_WORDS:
+            acc2 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok),
                           acc2 * alpha[:, None], input_precision="tf32x3")
-            acc3 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES), v_ok),
+            acc3 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok),
                           acc3 * alpha[:, None], input_precision="tf32x3")
     else:
         acc0 = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc0 * alpha[:, None],
@@ -319,7 +333,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
-               VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
+               VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
@@ -453,7 +467,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         vb = tl.load(plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         acc0 = tl.dot(ps, _nibbles_to_f16(vb, False), acc0 * alpha[:, None])
         acc1 = tl.dot(ps, _nibbles_to_f16(vb, True), acc1 * alpha[:, None])
-    elif VALUE_PLANES:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
+    elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
         v_row = plane[:, None] + T * KB + off[:, None] * VB
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
@@ -463,6 +477,14 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
         acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
         acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
+    elif VALUE_PLANES:  # 64-row tiles: acc_J, J = 0, 1, coordinates J * D/2 + vcol (codes a = 2J + vcol // (D/4))
+        v_row = plane[:, None] + T * KB + off[:, None] * VB
+        vm = tok_ok[:, None] & (vcol[None, :] < V_N)
+        j = vcol % (D // 4)
+        low = tl.load(v_row + j[None, :], mask=vm, other=0)
+        high = tl.load(v_row + D // 4 + (j % (D // 8))[None, :], mask=vm, other=0)
+        acc0 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 0, D), acc0 * alpha[:, None])
+        acc1 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 1, D), acc1 * alpha[:, None])
     else:
         vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
         acc0 = tl.dot(ps, vc.to(tl.float16), acc0 * alpha[:, None])
@@ -556,9 +578,10 @@ def _attn_kernel(
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
     hc = tl.arange(0, DHP)
-    VW: tl.constexpr = QP if (VALUE_WORDS or VALUE_PLANES) else DHP  # columns of each value accumulator
+    PLANE_WORDS: tl.constexpr = VALUE_PLANES and BLOCK_M <= 32  # 4 accumulators (else 2, _value_plane_bytes)
+    VW: tl.constexpr = QP if (VALUE_WORDS or PLANE_WORDS) else DHP  # columns of each value accumulator
     vcol = tl.arange(0, VW)
-    V_N: tl.constexpr = D // 4 if (VALUE_WORDS or VALUE_PLANES) else D // 2  # real ones
+    V_N: tl.constexpr = D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2  # real ones
     q_row = q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64) * s_qh + qi.to(tl.int64) * s_ql
     q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
     q_mu = 0.0  # placeholders of what only some variants compute (the walk's helper takes them all)
@@ -640,7 +663,7 @@ def _attn_kernel(
     # 4-bit values: acc_j accumulates coordinates _value_col(vcol, j) (4 accumulators from words, 2 from
     # bytes) in the codes' fp16 scale (words: x 2**-24, odd j 2**-20; bytes: odd j 16 x); 3-bit value
     # planes: 4 accumulators, x 2**-24; the 3-bit bit stream: acc0 all D
-    FOUR_ACC: tl.constexpr = VALUE_WORDS or VALUE_PLANES
+    FOUR_ACC: tl.constexpr = VALUE_WORDS or PLANE_WORDS
     acc0 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else DP), tl.float32)
     acc1 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else 16), tl.float32)
     acc2 = tl.zeros((BLOCK_M, VW if FOUR_ACC else 16), tl.float32)
@@ -668,7 +691,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
@@ -676,7 +699,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
@@ -691,7 +714,7 @@ def _attn_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkp, pv_row, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
         if split == exact_split_last:
@@ -704,7 +727,7 @@ def _attn_kernel(
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
                     q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
                     rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol,
-                    D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                    D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
     has = l_i > 0
@@ -719,7 +742,7 @@ def _attn_kernel(
         dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
     if VALUE_BITS == 4 or VALUE_PLANES:
         inv_lo = inv_l * (16777216.0 if FOUR_ACC else 1.0)  # back from the codes' fp16 scale (acc0..3 above)
-        inv_hi = inv_l * (1048576.0 if VALUE_WORDS else (16777216.0 if VALUE_PLANES else 0.0625))
+        inv_hi = inv_l * (1048576.0 if VALUE_WORDS else (16777216.0 if PLANE_WORDS else (1.0 if VALUE_PLANES else 0.0625)))
         out0 = acc0 * inv_lo[:, None] + bias_out[:, None]
         out1 = acc1 * inv_hi[:, None] + bias_out[:, None]
         if FOUR_ACC:
@@ -728,25 +751,25 @@ def _attn_kernel(
         if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < V_N) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
-            out = tl.dot(out0, tl.load(rv + _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
+            out = tl.dot(out0, tl.load(rv + _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
                          input_precision="tf32x3")
-            out = tl.dot(out1, tl.load(rv + _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
+            out = tl.dot(out1, tl.load(rv + _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
                          out, input_precision="tf32x3")
             if FOUR_ACC:
-                out = tl.dot(out2, tl.load(rv + _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
+                out = tl.dot(out2, tl.load(rv + _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
                              out, input_precision="tf32x3")
-                out = tl.dot(out3, tl.load(rv + _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES)[:, None] * D, mask=rmask, other=0.0),
+                out = tl.dot(out3, tl.load(rv + _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
                              out, input_precision="tf32x3")
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
             store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
         else:
             om = row_ok[:, None] & (vcol[None, :] < V_N)
-            store_rounded(dst + _value_col(vcol, 0, D, VALUE_WORDS, VALUE_PLANES)[None, :], out0, om)
-            store_rounded(dst + _value_col(vcol, 1, D, VALUE_WORDS, VALUE_PLANES)[None, :], out1, om)
+            store_rounded(dst + _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[None, :], out0, om)
+            store_rounded(dst + _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[None, :], out1, om)
             if FOUR_ACC:
-                store_rounded(dst + _value_col(vcol, 2, D, VALUE_WORDS, VALUE_PLANES)[None, :], out2, om)
-                store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS, VALUE_PLANES)[None, :], out3, om)
+                store_rounded(dst + _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[None, :], out2, om)
+                store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[None, :], out3, om)
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
         if VALUE_ROT:
@@ -1130,19 +1153,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         # 32/64 (the wgmma path; H200 sweep of 2026-11-29); 32-row tiles take the mma.sync path.
         block_m = min(block_m, 32)
     planes_v = value_planes(cfg, d)
-    if planes_v:
-        # likewise the 3-bit value planes: their 64-row prefill tiles faulted (illegal address, H200 GPU
-        # tests of session 11 calls 2 and 6, with the codes as subnormals and by the 0x6400 trick alike),
-        # so their compressed-mode prefill runs 32-row tiles (8k tokens 6.2 -> 12.9 ms, call 5)
-        block_m = min(block_m, 32)
     if not on_gpu:
         block_n = 16 if decode else 32
     block_n = tuning.get("block_n", block_n)
     block_m = tuning.get("block_m", block_m)
     maxnreg = tuning.get("maxnreg", maxnreg)
-    if planes_v and on_gpu and block_m > 32:
-        raise ValueError(f"3-bit value planes need row tiles of <= 32 rows on a GPU, got tuning block_m {block_m} "
-                         "(64-row tiles faulted on an H200)")
     num_warps = tuning.get("num_warps", 2 if narrow else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register, decoded as fp16 subnormals):
     # decode tiles of <= 32 rows only (the mma.sync path: the GPU tests of 2026-11-30 failed for
