@@ -1183,8 +1183,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     # the pool's addresses as int32 offsets from its base when they fit: fewer 64-bit integer ops per tile
-    # (sm_90a SASS, Triton 3.6, S=32k B=16 loop per 128-token tile: 4bit 962 -> 932, k8v4 784 -> 729)
-    pool32 = bool(tuning.get("pool32", pool.numel() < 2**31))
+    # (sm_90a SASS, Triton 3.6, S=32k B=16 loop per 128-token tile: 4bit 962 -> 932, k8v4 784 -> 729). H200,
+    # S=32k, alternated twice with int64 (gpu_checks/session12/call2): 32/8/128 B=16 4bit 0.3001 -> 0.2980 ms,
+    # k8v4 0.2844 -> 0.2792, k3v4 0.4848 -> 0.4735; B=1 k8v4 0.0378 -> 0.0370; 9/3/64 B=16 4bit 0.1204 ->
+    # 0.1170; but 3-bit values slower (3bit B=16 0.6852 -> 0.6962, 9/3/64 0.2445 -> 0.2523), so not there
+    pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
     if pool32 and pool.numel() >= 2**31:
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
     m_tiles = triton.cdiv(rows, block_m)
