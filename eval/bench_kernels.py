@@ -34,13 +34,13 @@ MAX_FP16_KV_BYTES = 40 * 2**30  # skip shapes whose fp16 K+V alone would exceed 
 OPTIONS_SUFFIX = "+opts"  # a preset name ending in this also turns on key_centering and value_rotation
 
 
-def make_config(name: str):
+def make_config(name: str, block_size: int = 16):
     """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX."""
     from tq_hf.config import TurboQuantConfig
 
     opts = name.endswith(OPTIONS_SUFFIX)
     preset = name[: -len(OPTIONS_SUFFIX)] if opts else name
-    return TurboQuantConfig.from_preset(preset, block_size=16, key_centering=opts, value_rotation=opts)
+    return TurboQuantConfig.from_preset(preset, block_size=block_size, key_centering=opts, value_rotation=opts)
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -124,7 +124,7 @@ def bench_decode(args, flush, results):
                        "sdpa_fp16_GBps": kv_bytes / sdpa / 1e6}
                 print(f"decode B={b:2d} S={s:6d} {hq}/{hk}/{d}: sdpa fp16 {sdpa:.4f} ms", flush=True)
                 for preset in presets:
-                    cfg = make_config(preset)
+                    cfg = make_config(preset, args.block_size)
                     layout = BlockLayout(cfg, hk, d)
                     mu = _key_offset(layout)
                     pool, table = _fill_pool(layout, b, s, key_offset=mu)
@@ -168,7 +168,7 @@ def bench_prefill(args, flush, results):
         kt = k[0].transpose(0, 1).contiguous()  # [S, Hk, D] as the cache receives them
         vt = v[0].transpose(0, 1).contiguous()
         for preset in args.prefill_presets or (["4bit"] if args.quick else ["4bit", "k8v4"]):
-            layout = BlockLayout(make_config(preset), hk, d)
+            layout = BlockLayout(make_config(preset, args.block_size), hk, d)
             nb = -(-s // 16)
             pool = layout.allocate(nb, "cuda")
             table = torch.arange(nb, device="cuda", dtype=torch.int32)[None]
@@ -192,7 +192,7 @@ def bench_prefill(args, flush, results):
                   flush=True)
         if args.store_sweep:
             for preset in ("4bit", "k3v4"):
-                layout = BlockLayout(make_config(preset), hk, d)
+                layout = BlockLayout(make_config(preset, args.block_size), hk, d)
                 pool = layout.allocate(-(-s // 16), "cuda")
                 slots = torch.arange(s, device="cuda")
                 for block_t in (16, 32, 64, 128):
@@ -218,10 +218,10 @@ def bench_store_step(args, flush, results):
 
     b, s, (hq, hk, d) = 16, 32768, DECODE_SHAPES[0]
     for preset in args.prefill_presets or ["4bit", "k8v4"]:
-        layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=16), hk, d)
+        layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=args.block_size), hk, d)
         pool, table = _fill_pool(layout, b, s)
         k = torch.randn(b, hk, d, device="cuda", dtype=torch.float16)
-        slots = table[:, -1].long() * 16 + 15
+        slots = table[:, -1].long() * layout.block_size + layout.block_size - 1
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
         seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
         out = torch.empty_like(q)
@@ -244,7 +244,7 @@ def bench_tune(args, flush, results):
     for b in (16, 1):
         q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
         for preset in ("4bit", "k8v4"):
-            layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=16), hk, d)
+            layout = BlockLayout(TurboQuantConfig.from_preset(preset, block_size=args.block_size), hk, d)
             pool, table = _fill_pool(layout, b, s)
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             out = torch.empty_like(q)
@@ -265,7 +265,7 @@ def bench_tune(args, flush, results):
             del pool, table
     # causal prefill, 8k, attention only
     s = 8192
-    layout = BlockLayout(TurboQuantConfig.from_preset("4bit", block_size=16), hk, d)
+    layout = BlockLayout(TurboQuantConfig.from_preset("4bit", block_size=args.block_size), hk, d)
     pool, table = _fill_pool(layout, 1, s)
     q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.float16)
     seq = torch.tensor([s], device="cuda", dtype=torch.int32)
@@ -284,7 +284,8 @@ def bench_tune(args, flush, results):
 
 def markdown(results) -> str:
     lines = [f"# Kernel benchmark ({results['gpu']})", "", f"Command: `{results['command']}`  ",
-             f"torch {results['torch']}, triton {results['triton']}, python {results['python']}", "",
+             f"torch {results['torch']}, triton {results['triton']}, python {results['python']}, "
+             f"cache blocks of {results.get('block_size', 16)} tokens", "",
              "## Decode (one query per sequence): ms, ratio to fp16 SDPA, GB/s of compressed bytes", ""]
     presets = list(dict.fromkeys(p for r in results["decode"] for p in r if isinstance(r[p], dict)))
     lines.append("| B | S | Hq/Hk/D | fp16 SDPA ms | " + " | ".join(presets) + " |")
@@ -327,6 +328,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-presets", nargs="*", choices=PRESETS,
                     help="presets of the prefill and decode-step store sections (default 4bit k8v4)")
     ap.add_argument("--store-sweep", action="store_true", help="sweep store_kv tile sizes at each prefill length")
+    ap.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64], help="tokens per cache block")
     ap.add_argument("--tag", help="output file stem (default kernels_bench, kernels_bench_quick with --quick)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "store", "tune"], help="sections to skip")
     args = ap.parse_args(argv)
@@ -337,7 +339,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     results = {"command": "python -m eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+               "python": platform.python_version(), "block_size": args.block_size, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "timing": "median of CUDA-graph replays (decode, store step) or eager calls (prefill), L2 flushed",
                "decode": [], "prefill": [], "store_step": [], "skipped": [], "tune": []}
     flush = _flush_buffer()

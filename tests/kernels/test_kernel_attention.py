@@ -79,6 +79,25 @@ def test_head_dims_block_sizes_dtypes(head_dim, block_size, dtype):
     _check(layout, [70, 141], 2, 4, dtype=dtype)
 
 
+# the pool's addresses as int32 offsets (pools of < 2**31 bytes, every other test) and as int64 (larger
+# pools, forced here): decode with splits and the metadata pairs, and a prefill, for every key format
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+def test_pool_addresses_in_int64(preset):
+    layout = make_layout(preset, 2, 128, 32)
+    _check(layout, [5, 130, 77], 1, 4, num_splits=3, tuning={"pool32": False, "meta_pairs": True})
+    _check(layout, [40, 71], 17, 4, tuning={"pool32": False})
+
+
+def test_pool32_refused_for_large_pools():
+    layout = make_layout("4bit", 1, 64)
+    blocks = 2**31 // layout.plane_bytes + 1  # just over 2**31 bytes (never touched: the plan refuses first)
+    pool = torch.empty(blocks, 1, layout.plane_bytes, dtype=torch.uint8)
+    q = torch.randn(1, 4, 1, 64)
+    with pytest.raises(ValueError, match="pool32=True needs a pool of < 2"):
+        unified_attention(q, pool, layout, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 0.1,
+                          tuning={"pool32": True})
+
+
 # prefill / chunked prefill: several row tiles, causal bottom-right alignment
 @pytest.mark.parametrize("preset,group,q_len,lens", [
     ("4bit", 1, 45, [45, 100]),  # first prefill (Lq == S) and a chunk at the end of a longer cache
@@ -546,10 +565,10 @@ def test_decode_32k_gpu(preset, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
-                                    {"block_n": 64, "maxnreg": 128}])
+                                    {"block_n": 64, "maxnreg": 128}, {"pool32": False}])
 def test_decode_key_lookup_variants_gpu(tuning):
     """16 rows x 8 KV heads (the launcher's short-tile, 128-register branch) and the other variants
-    of 4-bit key decoding against the reference: the prmt lookup, the gather, tile lengths."""
+    of 4-bit key decoding against the reference: the prmt lookup, the gather, tile lengths, int64 addresses."""
     layout = make_layout("4bit", 8, 128)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)

@@ -153,12 +153,12 @@ def _value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _unpack3(plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
+def _unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
     """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * GP] of the rows at byte
     offsets row_off: each 3-byte group is loaded once (three strided byte loads), joined into
     a 24-bit word and split into its 8 codes (code 8g + p at bits 3p of group g)."""
     g = tl.arange(0, GP)
-    ptr = plane[:, None] + row_off[:, None] + 3 * g[None, :]
+    ptr = pool_ptr + (plane[:, None] + row_off[:, None] + 3 * g[None, :])
     m = tok_ok[:, None] & (g[None, :] < NG)
     b0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
     b1 = tl.load(ptr + 1, mask=m, other=0).to(tl.int32)
@@ -193,8 +193,8 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
 
 
 @triton.jit
-def _load_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
-    ptr = (plane + META + (field * T + off) * 2).to(tl.pointer_type(tl.bfloat16))
+def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
+    ptr = (pool_ptr + (plane + META + (field * T + off) * 2)).to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -218,8 +218,8 @@ def _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T:
         ok = tl.full((BLOCK_N // 2,), True, tl.int1)
         ok_e = ok
         ok_o = ok
-    blk = tl.load(bt_row + tok // T, mask=ok, other=0).to(tl.int64)
-    base = (pool_ptr + blk * block_bytes + head_off + META + (tok % T) * 2).to(tl.pointer_type(tl.uint32))
+    blk = tl.load(bt_row + tok // T, mask=ok, other=0).to(head_off.dtype)
+    base = (pool_ptr + (blk * block_bytes + head_off + META + (tok % T) * 2)).to(tl.pointer_type(tl.uint32))
     return (_bf16_pairs(base, ok, ok_e, ok_o, BLOCK_N, MASKED),
             _bf16_pairs(base + T // 2, ok, ok_e, ok_o, BLOCK_N, MASKED),
             _bf16_pairs(base + T, ok, ok_e, ok_o, BLOCK_N, MASKED))
@@ -346,20 +346,20 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             tok_ok = tok_ok & (tok >= pool_first)
     else:  # a whole tile of visible positions (see the kernel's walk): masks the compiler drops
         tok_ok = tl.full((BLOCK_N,), True, tl.int1)
-    blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(tl.int64)
+    blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(head_off.dtype)
     off = tok % T
-    plane = pool_ptr + blk * block_bytes + head_off
+    plane = blk * block_bytes + head_off  # the planes' byte offsets in the pool (int32 when it has < 2**31 bytes)
 
     # scores
     if KEY_BITS == 4:
         if KEY_LUT:  # codes loaded as [D/2, N], the MMA's B operand: decoded in its layout, no transpose
-            kbt = tl.load(plane[None, :] + off[None, :] * KB + hc[:, None], mask=tok_ok[None, :] & (hc[:, None] < D // 2), other=0)
+            kbt = tl.load(pool_ptr + (plane[None, :] + off[None, :] * KB + hc[:, None]), mask=tok_ok[None, :] & (hc[:, None] < D // 2), other=0)
             kt_lo = tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
             kt_hi = tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
             s = tl.dot(q_lo, kt_lo)
             s = tl.dot(q_hi, kt_hi, s)
         else:
-            kb = tl.load(plane[:, None] + off[:, None] * KB + hc[None, :], mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
+            kb = tl.load(pool_ptr + (plane[:, None] + off[:, None] * KB + hc[None, :]), mask=tok_ok[:, None] & (hc[None, :] < D // 2), other=0)
             k_lo = tl.gather(table, (kb & 15).to(tl.int32), 1)
             k_hi = tl.gather(table, (kb >> 4).to(tl.int32), 1)
             s = tl.dot(q_lo, tl.trans(k_lo))
@@ -371,7 +371,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         # a window's rows hold no code of it.
         r32 = tl.arange(0, 32)
         if KEY_LUT:
-            kw = plane[None, :] + off[None, :] * KB + r32[:, None]
+            kw = pool_ptr + (plane[None, :] + off[None, :] * KB + r32[:, None])
             x = tl.load(kw, mask=tok_ok[None, :], other=0)
             y = tl.load(kw + 16, mask=tok_ok[None, :], other=0)
             z = tl.load(kw + 32, mask=tok_ok[None, :] & (r32[:, None] < 16), other=0)
@@ -380,7 +380,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             s = _lookup_dots(s, qp[2], qp[3], z, LUT_LO, LUT_HI)
             s = _lookup_dots(s, qp[4], qp[5], e, LUT_LO, LUT_HI)
         else:
-            kw = plane[:, None] + off[:, None] * KB + r32[None, :]
+            kw = pool_ptr + (plane[:, None] + off[:, None] * KB + r32[None, :])
             x = tl.load(kw, mask=tok_ok[:, None], other=0)
             y = tl.load(kw + 16, mask=tok_ok[:, None], other=0)
             z = tl.load(kw + 32, mask=tok_ok[:, None] & (r32[None, :] < 16), other=0)
@@ -392,7 +392,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         J: tl.constexpr = D // 8
         jj = tl.arange(0, J)
         if KEY_LUT:  # plane bytes loaded as [J, N], the MMA's B operand, decoded in its layout
-            kp = plane[None, :] + off[None, :] * KB + jj[:, None]
+            kp = pool_ptr + (plane[None, :] + off[None, :] * KB + jj[:, None])
             p0 = tl.load(kp, mask=tok_ok[None, :], other=0)
             p1 = tl.load(kp + J, mask=tok_ok[None, :], other=0)
             p2 = tl.load(kp + 2 * J, mask=tok_ok[None, :], other=0)
@@ -401,7 +401,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             s = _lookup_dots(s, qp[4], qp[5], p2, LUT_LO, LUT_HI)
             s = _lookup_dots(s, qp[6], qp[7], _spare_codes(p0, p1, p2), LUT_LO, LUT_HI)
         else:
-            kp = plane[:, None] + off[:, None] * KB + jj[None, :]
+            kp = pool_ptr + (plane[:, None] + off[:, None] * KB + jj[None, :])
             p0 = tl.load(kp, mask=tok_ok[:, None], other=0)
             p1 = tl.load(kp + J, mask=tok_ok[:, None], other=0)
             p2 = tl.load(kp + 2 * J, mask=tok_ok[:, None], other=0)
@@ -411,18 +411,18 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             s = _gather_dots(s, qp[4], qp[5], p2, table)
             s = _gather_dots(s, qp[6], qp[7], p67, table)
     elif KEY_BITS == 3:
-        kc = _unpack3(plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
+        kc = _unpack3(pool_ptr, plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
         k = tl.gather(table, kc, 1)
         s = tl.dot(q16, tl.trans(k))
     else:
-        kb = tl.load(plane[:, None] + off[:, None] * KB + dc[None, :], mask=tok_ok[:, None] & (dc[None, :] < D), other=0)
+        kb = tl.load(pool_ptr + (plane[:, None] + off[:, None] * KB + dc[None, :]), mask=tok_ok[:, None] & (dc[None, :] < D), other=0)
         k = kb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
         s = tl.dot(q16, tl.trans(k))
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
     else:
-        k_scale = _load_meta(plane, 0, off, T, META, tok_ok)
+        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok)
     if MASKED:
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -447,8 +447,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
     if not META_PAIRS:
-        v_scale = _load_meta(plane, 1, off, T, META, tok_ok)
-        v_mid = _load_meta(plane, 2, off, T, META, tok_ok)
+        v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok)
+        v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
     l_i = l_i * alpha + sum_p
     bias_acc = bias_acc * alpha + sum_pb
@@ -456,7 +456,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     # values
     ps = (p * v_scale[None, :]).to(tl.float16)
     if VALUE_BITS == 4 and VALUE_WORDS:
-        v_row = (plane[:, None] + T * KB + off[:, None] * VB).to(tl.pointer_type(tl.uint16))
+        v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
         acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
@@ -464,11 +464,11 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
         acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
     elif VALUE_BITS == 4:
-        vb = tl.load(plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+        vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         acc0 = tl.dot(ps, _nibbles_to_f16(vb, False), acc0 * alpha[:, None])
         acc1 = tl.dot(ps, _nibbles_to_f16(vb, True), acc1 * alpha[:, None])
     elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
-        v_row = plane[:, None] + T * KB + off[:, None] * VB
+        v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + V_N + (vcol % (D // 8))[None, :], mask=vm, other=0)
@@ -478,7 +478,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
         acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
     elif VALUE_PLANES:  # 64-row tiles: acc_J, J = 0, 1, coordinates J * D/2 + vcol (codes a = 2J + vcol // (D/4))
-        v_row = plane[:, None] + T * KB + off[:, None] * VB
+        v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         j = vcol % (D // 4)
         low = tl.load(v_row + j[None, :], mask=vm, other=0)
@@ -486,7 +486,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         acc0 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 0, D), acc0 * alpha[:, None])
         acc1 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 1, D), acc1 * alpha[:, None])
     else:
-        vc = _unpack3(plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
+        vc = _unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
         acc0 = tl.dot(ps, vc.to(tl.float16), acc0 * alpha[:, None])
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 
@@ -531,6 +531,7 @@ def _attn_kernel(
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
+    POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -673,7 +674,10 @@ def _attn_kernel(
 
     pk_row = pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh
     pv_row = pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh
-    head_off = h.to(tl.int64) * plane_bytes
+    if POOL32:  # the pool has < 2**31 bytes: addresses as int32 offsets from pool_ptr (fewer 64-bit ops per tile)
+        head_off = h * plane_bytes
+    else:
+        head_off = h.to(tl.int64) * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk: whole tiles every row sees, without masks; then the masked ones: a first tile with
     # positions before the pool's first one (exact prefix, left padding) and the last tiles (the
@@ -985,7 +989,8 @@ def unified_attention(
     "maxnreg" (register cap per thread, None: none), "key_lut" (False: gather 4-bit centroids),
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
     "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
-    "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens)}).
+    "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens),
+    "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
@@ -1177,6 +1182,14 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
+    # the pool's addresses as int32 offsets from its base when they fit: fewer 64-bit integer ops per tile
+    # (sm_90a SASS, Triton 3.6, S=32k B=16 loop per 128-token tile: 4bit 962 -> 932, k8v4 784 -> 729). H200,
+    # S=32k, alternated twice with int64 (gpu_checks/session12/call2): 32/8/128 B=16 4bit 0.3001 -> 0.2980 ms,
+    # k8v4 0.2844 -> 0.2792, k3v4 0.4848 -> 0.4735; B=1 k8v4 0.0378 -> 0.0370; 9/3/64 B=16 4bit 0.1204 ->
+    # 0.1170; but 3-bit values slower (3bit B=16 0.6852 -> 0.6962, 9/3/64 0.2445 -> 0.2523), so not there
+    pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
+    if pool32 and pool.numel() >= 2**31:
+        raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
@@ -1224,7 +1237,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, POOL32=pool32, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
