@@ -193,6 +193,38 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
 
 
 @triton.jit
+def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) (codebook.py), without reading R:
+    the signs s are row 0's (H[0, :] = 1), the first butterfly of H_D folds the query's halves (u = a + b,
+    v = a - b), and H_{D/2} (entries (-1)^popcount(i & j), exact in fp16) is built in registers. u, v go
+    through fp16 MMAs as a normalized hi + lo pair (exact to ~2^-22 of the row's largest entry, as the
+    3xTF32 product of the general path). Returns the rotated query's two halves, fp32 [BLOCK_M, D/2]."""
+    H: tl.constexpr = D // 2
+    ok = row_ok[:, None] & (hc[None, :] < H)
+    a = tl.load(q_row[:, None] + hc[None, :], mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(q_row[:, None] + H + hc[None, :], mask=ok, other=0.0).to(tl.float32)
+    a = tl.where(tl.load(rot_ptr + hc, mask=hc < H, other=1.0) < 0, -a, a)
+    b = tl.where(tl.load(rot_ptr + H + hc, mask=hc < H, other=1.0) < 0, -b, b)
+    u = a + b
+    v = a - b
+    amax = tl.maximum(tl.max(tl.abs(u), axis=1), tl.max(tl.abs(v), axis=1))
+    amax = tl.where(amax > 0, amax, 1.0)[:, None]
+    u = u / amax
+    v = v / amax
+    x = hc[:, None] & hc[None, :]  # H_{D/2}[i, j] sign: the parity of i & j (D/2 <= 256: 8 bits)
+    x = x ^ (x >> 4)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)
+    hm = tl.where((x & 1) != 0, -1.0, 1.0).to(tl.float16)
+    u_hi = u.to(tl.float16)
+    v_hi = v.to(tl.float16)
+    q_lo = tl.dot(u_hi, hm, tl.dot((u - u_hi.to(tl.float32)).to(tl.float16), hm))
+    q_hi = tl.dot(v_hi, hm, tl.dot((v - v_hi.to(tl.float32)).to(tl.float16), hm))
+    scale = amax * (1.0 / tl.sqrt(D * 1.0))
+    return q_lo * scale, q_hi * scale
+
+
+@triton.jit
 def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
     ptr = (pool_ptr + (plane + META + (field * T + off) * 2)).to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
@@ -532,6 +564,7 @@ def _attn_kernel(
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
+    HADAMARD: tl.constexpr,  # 4-bit codebook keys under rotation="hadamard": the query rotated without reading R
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -594,7 +627,13 @@ def _attn_kernel(
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
         mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
         q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
-    if KEY_BITS == 4:
+    if KEY_BITS == 4 and HADAMARD:
+        q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
+        qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
+        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
+        q_lo = (q_lo / qdiv).to(tl.float16)
+        q_hi = (q_hi / qdiv).to(tl.float16)
+    elif KEY_BITS == 4:
         # q @ R^T over RK input coordinates at a time: [RK, D/2] rotation tiles instead of [D, D/2]
         # ones, which held ~128 registers per thread through the prologue (spilled under maxnreg)
         q_lo = tl.zeros((BLOCK_M, DHP), tl.float32)
@@ -1237,7 +1276,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, POOL32=pool32, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=cfg.key_bits == 4 and cfg.rotation == "hadamard", HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
