@@ -1271,6 +1271,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
+    # rotation="hadamard": the query's and the output's rotations built in registers (_hadamard_dot), not read.
+    # H200, S=32k, alternated twice (gpu_checks/session12/call3, call4): 4bit B=1 0.0368 -> 0.0337 ms, B=16
+    # 0.2969 -> 0.2892; k3v4 B=16 0.4720 -> 0.4327. With 3-bit keys in 64-row (wgmma) tiles the GPU tests computed
+    # wrong results and faulted (Triton 3.6, like the value words there): those keep reading R
+    hadamard = cfg.rotation == "hadamard" and (block_m <= 32 or cfg.key_bits != 3)
     # the pool's addresses as int32 offsets from its base when they fit: fewer 64-bit integer ops per tile
     # (sm_90a SASS, Triton 3.6, S=32k B=16 loop per 128-token tile: 4bit 962 -> 932, k8v4 784 -> 729). H200,
     # S=32k, alternated twice with int64 (gpu_checks/session12/call2): 32/8/128 B=16 4bit 0.3001 -> 0.2980 ms,
@@ -1326,7 +1331,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=cfg.rotation == "hadamard", HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
