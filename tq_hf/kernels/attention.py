@@ -580,7 +580,7 @@ def _attn_kernel(
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
-    HADAMARD: tl.constexpr,  # rotation="hadamard": the query's and the output's rotations without reading R / Rv
+    HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -820,22 +820,9 @@ def _attn_kernel(
         if FOUR_ACC:
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
-        if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D), H built in registers
-            n = tl.maximum(_row_norm(out0), _row_norm(out1))
-            if FOUR_ACC:
-                n = tl.maximum(n, tl.maximum(_row_norm(out2), _row_norm(out3)))
-            n = n[:, None]
-            dk = dc < D
-            out = _hadamard_dot(out0 / n, _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), dc, dk, tl.zeros((BLOCK_M, DP), tl.float32))
-            out = _hadamard_dot(out1 / n, _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), dc, dk, out)
-            if FOUR_ACC:
-                out = _hadamard_dot(out2 / n, _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), dc, dk, out)
-                out = _hadamard_dot(out3 / n, _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), dc, dk, out)
-            out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * _hadamard_signs(vrot_ptr, dc, D)[None, :]
-            if EXACT_ACC:
-                out = out + acc_x * inv_l[:, None]
-            store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
-        elif VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
+        # (here Rv is read: with it built in registers the H200 measured 4bit+opts 1-2.5% and k3v4+opts up to
+        # 64% slower, gpu_checks/session12/call5)
+        if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < V_N) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
             out = tl.dot(out0, tl.load(rv + _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
@@ -859,7 +846,7 @@ def _attn_kernel(
                 store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[None, :], out3, om)
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
-        if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D)
+        if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D) (H200, 9/3/64 B=1, with the query's: 3bit+opts 0.0312 -> 0.0267 ms, plain 0.0264 -> 0.0250)
             n = _row_norm(out)[:, None]
             out = _hadamard_dot(out / n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
             out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * _hadamard_signs(vrot_ptr, dc, D)[None, :]
@@ -1271,9 +1258,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
-    # rotation="hadamard": the query's and the output's rotations built in registers (_hadamard_dot), not read.
-    # H200, S=32k, alternated twice (gpu_checks/session12/call3, call4): 4bit B=1 0.0368 -> 0.0337 ms, B=16
-    # 0.2969 -> 0.2892; k3v4 B=16 0.4720 -> 0.4327. With 3-bit keys in 64-row (wgmma) tiles the GPU tests computed
+    # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
+    # registers (_hadamard_dot), not read.
+    # H200, S=32k, 32/8/128, alternated twice (gpu_checks/session12/call3, call5): 4bit B=1 0.0368 -> 0.0337 ms,
+    # B=16 0.2969 -> 0.2892; k3v4 B=1 0.0568 -> 0.0515, B=16 0.4707 -> 0.4313; 3bit B=1 0.0658 -> 0.0606, B=16
+    # 0.6796 -> 0.6588. With 3-bit keys in 64-row (wgmma) tiles the GPU tests computed
     # wrong results and faulted (Triton 3.6, like the value words there): those keep reading R
     hadamard = cfg.rotation == "hadamard" and (block_m <= 32 or cfg.key_bits != 3)
     # the pool's addresses as int32 offsets from its base when they fit: fewer 64-bit integer ops per tile
