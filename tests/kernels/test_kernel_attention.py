@@ -512,6 +512,23 @@ def test_gpu_value_planes_in_64_row_tiles(monkeypatch):
                           tuning={"value_words": True})
 
 
+@pytest.mark.parametrize("preset,q_len,hadamard", [
+    ("4bit", 1, True), ("4bit", 40, True), ("k8v4", 40, True), ("k3v4", 1, True), ("3bit", 1, True),
+    ("k3v4", 40, False), ("3bit", 40, False),  # 3-bit keys in 64-row tiles: the GPU tests failed (session 12 call 4)
+])
+def test_gpu_hadamard_choices(monkeypatch, preset, q_len, hadamard):
+    """Where a GPU builds the Hadamard rotations in registers (rotation="hadamard") and where it reads R."""
+    seen = _capture_gpu_launch(monkeypatch)
+    layout = make_layout(preset, 2, 128, value_rotation=True)
+    pool, table = fill_cache(layout, [40], "cpu")
+    unified_attention(torch.randn(1, 8, q_len, 128), pool, layout, table, torch.tensor([40]), 0.1)
+    assert seen["HADAMARD"] is hadamard and (seen["BLOCK_M"] == 64) == (q_len > 1), seen
+    layout = make_layout(preset, 2, 96, value_rotation=True)  # rotation="random": always read
+    pool, table = fill_cache(layout, [40], "cpu")
+    unified_attention(torch.randn(1, 8, q_len, 96), pool, layout, table, torch.tensor([40]), 0.1)
+    assert seen["HADAMARD"] is False, seen
+
+
 @pytest.mark.parametrize("options,maxnreg", [(False, 168), (True, 128)])
 def test_gpu_three_bit_register_caps(monkeypatch, options, maxnreg):
     """The 3bit preset's planes at B=16 on an H200: the plain format in 168 registers, with centering and

@@ -193,34 +193,50 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
 
 
 @triton.jit
+def _hadamard_dot(x, rows, cols, col_ok, acc):
+    """acc + x @ M with M[r, c] = (-1)^popcount(rows[r] & cols[c]) where col_ok[c] (else 0): entries of the
+    Sylvester Hadamard matrix (exact in fp16), built in registers instead of read from memory. x fp32 with
+    rows scaled to |x| <= 1 (no fp16 overflow) goes through fp16 MMAs as hi + lo: exact to ~2^-22 of the
+    row's largest entry, as the 3xTF32 products of a general rotation. Coordinates < 256 (8 bits)."""
+    p = rows[:, None] & cols[None, :]
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    m = tl.where(col_ok[None, :], tl.where((p & 1) != 0, -1.0, 1.0), 0.0).to(tl.float16)
+    hi = x.to(tl.float16)
+    return tl.dot(hi, m, tl.dot((x - hi.to(tl.float32)).to(tl.float16), m, acc))
+
+
+@triton.jit
+def _hadamard_signs(rot_ptr, idx, n):
+    """The signs s[idx] (+-1.0) of a rotation R = H diag(s) / sqrt(D) (codebook.py, rotation="hadamard"):
+    R's row 0 (H[0, :] = 1); 1.0 where idx >= n."""
+    return tl.where(tl.load(rot_ptr + idx, mask=idx < n, other=1.0) < 0, -1.0, 1.0)
+
+
+@triton.jit
+def _row_norm(x):
+    """Each row's largest |x| (1 where the row is all zero): x / it is within [-1, 1] for _hadamard_dot."""
+    amax = tl.max(tl.abs(x), axis=1)
+    return tl.where(amax > 0, amax, 1.0)
+
+
+@triton.jit
 def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) (codebook.py), without reading R:
-    the signs s are row 0's (H[0, :] = 1), the first butterfly of H_D folds the query's halves (u = a + b,
-    v = a - b), and H_{D/2} (entries (-1)^popcount(i & j), exact in fp16) is built in registers. u, v go
-    through fp16 MMAs as a normalized hi + lo pair (exact to ~2^-22 of the row's largest entry, as the
-    3xTF32 product of the general path). Returns the rotated query's two halves, fp32 [BLOCK_M, D/2]."""
+    """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) without reading R: the first
+    butterfly of H_D folds the signed query's halves (u = a + b, v = a - b), then H_{D/2} (_hadamard_dot).
+    Returns the rotated query's two halves (coordinates < D/2 and >= D/2), fp32 [BLOCK_M, D/2]."""
     H: tl.constexpr = D // 2
     ok = row_ok[:, None] & (hc[None, :] < H)
-    a = tl.load(q_row[:, None] + hc[None, :], mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(q_row[:, None] + H + hc[None, :], mask=ok, other=0.0).to(tl.float32)
-    a = tl.where(tl.load(rot_ptr + hc, mask=hc < H, other=1.0) < 0, -a, a)
-    b = tl.where(tl.load(rot_ptr + H + hc, mask=hc < H, other=1.0) < 0, -b, b)
+    a = tl.load(q_row[:, None] + hc[None, :], mask=ok, other=0.0).to(tl.float32) * _hadamard_signs(rot_ptr, hc, H)[None, :]
+    b = tl.load(q_row[:, None] + H + hc[None, :], mask=ok, other=0.0).to(tl.float32) * _hadamard_signs(rot_ptr, H + hc, D)[None, :]
     u = a + b
     v = a - b
-    amax = tl.maximum(tl.max(tl.abs(u), axis=1), tl.max(tl.abs(v), axis=1))
-    amax = tl.where(amax > 0, amax, 1.0)[:, None]
-    u = u / amax
-    v = v / amax
-    x = hc[:, None] & hc[None, :]  # H_{D/2}[i, j] sign: the parity of i & j (D/2 <= 256: 8 bits)
-    x = x ^ (x >> 4)
-    x = x ^ (x >> 2)
-    x = x ^ (x >> 1)
-    hm = tl.where((x & 1) != 0, -1.0, 1.0).to(tl.float16)
-    u_hi = u.to(tl.float16)
-    v_hi = v.to(tl.float16)
-    q_lo = tl.dot(u_hi, hm, tl.dot((u - u_hi.to(tl.float32)).to(tl.float16), hm))
-    q_hi = tl.dot(v_hi, hm, tl.dot((v - v_hi.to(tl.float32)).to(tl.float16), hm))
-    scale = amax * (1.0 / tl.sqrt(D * 1.0))
+    n = tl.maximum(_row_norm(u), _row_norm(v))[:, None]
+    zero = tl.zeros((BLOCK_M, hc.shape[0]), tl.float32)
+    q_lo = _hadamard_dot(u / n, hc, hc, hc < H, zero)
+    q_hi = _hadamard_dot(v / n, hc, hc, hc < H, zero)
+    scale = n * (1.0 / tl.sqrt(D * 1.0))
     return q_lo * scale, q_hi * scale
 
 
@@ -564,7 +580,7 @@ def _attn_kernel(
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
-    HADAMARD: tl.constexpr,  # 4-bit codebook keys under rotation="hadamard": the query rotated without reading R
+    HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -627,7 +643,7 @@ def _attn_kernel(
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
         mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
         q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
-    if KEY_BITS == 4 and HADAMARD:
+    if KEY_BITS == 4 and HADAMARD:  # R not read
         q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
         qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
@@ -656,6 +672,11 @@ def _attn_kernel(
         r32 = tl.arange(0, 32)
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
+        if HADAMARD:
+            q_signed = q * _hadamard_signs(rot_ptr, dc, D)[None, :]
+            q_n = _row_norm(q_signed)[:, None]
+            q_unit = q_signed / q_n
+            q_scale = q_n * (1.0 / tl.sqrt(D * 1.0))
         for w in tl.static_range(6 if D == 128 else 8):
             if D != 128:
                 coord = w * 32 + r32
@@ -666,8 +687,11 @@ def _attn_kernel(
             else:  # codes 4, 5 (window Z, plane 2) and 6, 7 (window E, the spare bits): rows 0..15
                 coord = (w + 2) * 16 + r32 % 16
                 ok_r = r32 < 16
-            r_w = tl.load(rot_ptr + coord[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & ok_r[None, :], other=0.0)
-            q_w = tl.dot(q, r_w, input_precision="tf32x3")
+            if HADAMARD:  # (q * s) @ H[:, coord] / sqrt(D), H built in registers (_hadamard_dot)
+                q_w = _hadamard_dot(q_unit, dc, coord, ok_r, tl.zeros((BLOCK_M, 32), tl.float32)) * q_scale
+            else:
+                r_w = tl.load(rot_ptr + coord[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & ok_r[None, :], other=0.0)
+                q_w = tl.dot(q, r_w, input_precision="tf32x3")
             qmax = tl.maximum(qmax, tl.max(tl.abs(q_w), axis=1))
             qp = qp + (q_w,)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
@@ -677,7 +701,12 @@ def _attn_kernel(
         qp = qh
     else:
         q_key = q  # the query in the keys' space
-        if KEY_BITS == 3:
+        if KEY_BITS == 3 and HADAMARD:  # (q * s) @ H / sqrt(D), H built in registers
+            q_signed = q * _hadamard_signs(rot_ptr, dc, D)[None, :]
+            q_n = _row_norm(q_signed)[:, None]
+            q_key = _hadamard_dot(q_signed / q_n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
+            q_key = q_key * (q_n * (1.0 / tl.sqrt(D * 1.0)))
+        elif KEY_BITS == 3:
             q_key = matmul_square(q, rot_ptr, D, DP, True)  # q @ R^T
         qmax = tl.max(tl.abs(q_key), axis=1)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
@@ -791,6 +820,8 @@ def _attn_kernel(
         if FOUR_ACC:
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
+        # (here Rv is read: with it built in registers the H200 measured 4bit+opts 1-2.5% and k3v4+opts up to
+        # 64% slower, gpu_checks/session12/call5)
         if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < V_N) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
@@ -815,7 +846,13 @@ def _attn_kernel(
                 store_rounded(dst + _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[None, :], out3, om)
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
-        if VALUE_ROT:
+        if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D) (H200, 9/3/64 B=1, with the query's: 3bit+opts 0.0312 -> 0.0267 ms, plain 0.0264 -> 0.0250)
+            n = _row_norm(out)[:, None]
+            out = _hadamard_dot(out / n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
+            out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * _hadamard_signs(vrot_ptr, dc, D)[None, :]
+            if EXACT_ACC:
+                out = out + acc_x * inv_l[:, None]
+        elif VALUE_ROT:
             out = matmul_square(out, vrot_ptr, D, DP, False)  # out @ Rv
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
@@ -1221,6 +1258,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
+    # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
+    # registers (_hadamard_dot), not read.
+    # H200, S=32k, 32/8/128, alternated twice (gpu_checks/session12/call3, call5): 4bit B=1 0.0368 -> 0.0337 ms,
+    # B=16 0.2969 -> 0.2892; k3v4 B=1 0.0568 -> 0.0515, B=16 0.4707 -> 0.4313; 3bit B=1 0.0658 -> 0.0606, B=16
+    # 0.6796 -> 0.6588. With 3-bit keys in 64-row (wgmma) tiles the GPU tests computed
+    # wrong results and faulted (Triton 3.6, like the value words there): those keep reading R
+    hadamard = cfg.rotation == "hadamard" and (block_m <= 32 or cfg.key_bits != 3)
     # the pool's addresses as int32 offsets from its base when they fit: fewer 64-bit integer ops per tile
     # (sm_90a SASS, Triton 3.6, S=32k B=16 loop per 128-token tile: 4bit 962 -> 932, k8v4 784 -> 729). H200,
     # S=32k, alternated twice with int64 (gpu_checks/session12/call2): 32/8/128 B=16 4bit 0.3001 -> 0.2980 ms,
@@ -1276,7 +1320,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=cfg.key_bits == 4 and cfg.rotation == "hadamard", HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
