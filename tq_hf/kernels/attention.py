@@ -197,7 +197,8 @@ def _hadamard_dot(x, rows, cols, col_ok, acc):
     """acc + x @ M with M[r, c] = (-1)^popcount(rows[r] & cols[c]) where col_ok[c] (else 0): entries of the
     Sylvester Hadamard matrix (exact in fp16), built in registers instead of read from memory. x fp32 with
     rows scaled to |x| <= 1 (no fp16 overflow) goes through fp16 MMAs as hi + lo: exact to ~2^-22 of the
-    row's largest entry, as the 3xTF32 products of a general rotation. Coordinates < 256 (8 bits)."""
+    row's largest entry, as the 3xTF32 products of a general rotation. Coordinates < 256 (8 bits: head_dim <=
+    256, config.HEAD_DIM_RANGE)."""
     p = rows[:, None] & cols[None, :]
     p = p ^ (p >> 4)
     p = p ^ (p >> 2)
@@ -219,6 +220,15 @@ def _row_norm(x):
     """Each row's largest |x| (1 where the row is all zero): x / it is within [-1, 1] for _hadamard_dot."""
     amax = tl.max(tl.abs(x), axis=1)
     return tl.where(amax > 0, amax, 1.0)
+
+
+@triton.jit
+def _hadamard_input(x, rot_ptr, idx, D: tl.constexpr):
+    """x * s (the signs of R = H diag(s) / sqrt(D) at coordinates idx) with rows scaled to |.| <= 1, and the
+    factor that takes a _hadamard_dot of it back to x @ R^T (the rows' scale / sqrt(D))."""
+    xs = x * _hadamard_signs(rot_ptr, idx, D)[None, :]
+    n = _row_norm(xs)[:, None]
+    return xs / n, n * (1.0 / tl.sqrt(D * 1.0))
 
 
 @triton.jit
@@ -643,25 +653,22 @@ def _attn_kernel(
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
         mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
         q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
-    if KEY_BITS == 4 and HADAMARD:  # R not read
-        q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
-        qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
-        qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
-        q_lo = (q_lo / qdiv).to(tl.float16)
-        q_hi = (q_hi / qdiv).to(tl.float16)
-    elif KEY_BITS == 4:
-        # q @ R^T over RK input coordinates at a time: [RK, D/2] rotation tiles instead of [D, D/2]
-        # ones, which held ~128 registers per thread through the prologue (spilled under maxnreg)
-        q_lo = tl.zeros((BLOCK_M, DHP), tl.float32)
-        q_hi = tl.zeros((BLOCK_M, DHP), tl.float32)
-        for k0 in range(0, D, RK):
-            kk = k0 + tl.arange(0, RK)
-            qc = tl.load(q_row[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
-            rmask = (kk[:, None] < D) & (hc[None, :] < D // 2)
-            r_lo = tl.load(rot_ptr + hc[None, :] * D + kk[:, None], mask=rmask, other=0.0)
-            r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + kk[:, None], mask=rmask, other=0.0)
-            q_lo = tl.dot(qc.to(tl.float32), r_lo, q_lo, input_precision="tf32x3")
-            q_hi = tl.dot(qc.to(tl.float32), r_hi, q_hi, input_precision="tf32x3")
+    if KEY_BITS == 4:
+        if HADAMARD:  # R not read
+            q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
+        else:
+            # q @ R^T over RK input coordinates at a time: [RK, D/2] rotation tiles instead of [D, D/2]
+            # ones, which held ~128 registers per thread through the prologue (spilled under maxnreg)
+            q_lo = tl.zeros((BLOCK_M, DHP), tl.float32)
+            q_hi = tl.zeros((BLOCK_M, DHP), tl.float32)
+            for k0 in range(0, D, RK):
+                kk = k0 + tl.arange(0, RK)
+                qc = tl.load(q_row[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
+                rmask = (kk[:, None] < D) & (hc[None, :] < D // 2)
+                r_lo = tl.load(rot_ptr + hc[None, :] * D + kk[:, None], mask=rmask, other=0.0)
+                r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + kk[:, None], mask=rmask, other=0.0)
+                q_lo = tl.dot(qc.to(tl.float32), r_lo, q_lo, input_precision="tf32x3")
+                q_hi = tl.dot(qc.to(tl.float32), r_hi, q_hi, input_precision="tf32x3")
         qmax = tl.maximum(tl.max(tl.abs(q_lo), axis=1), tl.max(tl.abs(q_hi), axis=1))
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
@@ -673,10 +680,7 @@ def _attn_kernel(
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
         if HADAMARD:
-            q_signed = q * _hadamard_signs(rot_ptr, dc, D)[None, :]
-            q_n = _row_norm(q_signed)[:, None]
-            q_unit = q_signed / q_n
-            q_scale = q_n * (1.0 / tl.sqrt(D * 1.0))
+            q_unit, q_scale = _hadamard_input(q, rot_ptr, dc, D)
         for w in tl.static_range(6 if D == 128 else 8):
             if D != 128:
                 coord = w * 32 + r32
@@ -702,10 +706,8 @@ def _attn_kernel(
     else:
         q_key = q  # the query in the keys' space
         if KEY_BITS == 3 and HADAMARD:  # (q * s) @ H / sqrt(D), H built in registers
-            q_signed = q * _hadamard_signs(rot_ptr, dc, D)[None, :]
-            q_n = _row_norm(q_signed)[:, None]
-            q_key = _hadamard_dot(q_signed / q_n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
-            q_key = q_key * (q_n * (1.0 / tl.sqrt(D * 1.0)))
+            q_unit, q_scale = _hadamard_input(q, rot_ptr, dc, D)
+            q_key = _hadamard_dot(q_unit, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32)) * q_scale
         elif KEY_BITS == 3:
             q_key = matmul_square(q, rot_ptr, D, DP, True)  # q @ R^T
         qmax = tl.max(tl.abs(q_key), axis=1)
