@@ -59,8 +59,12 @@ from ._common import (
     check_layout_pool,
     check_tensor,
     codec_tensors,
+    hadamard_dot,
+    hadamard_input,
+    hadamard_signs,
     matmul_square,
     next_pow2,
+    row_norm,
     store_rounded,
     tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
@@ -193,59 +197,20 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
 
 
 @triton.jit
-def _hadamard_dot(x, rows, cols, col_ok, acc):
-    """acc + x @ M with M[r, c] = (-1)^popcount(rows[r] & cols[c]) where col_ok[c] (else 0): entries of the
-    Sylvester Hadamard matrix (exact in fp16), built in registers instead of read from memory. x fp32 with
-    rows scaled to |x| <= 1 (no fp16 overflow) goes through fp16 MMAs as hi + lo: exact to ~2^-22 of the
-    row's largest entry, as the 3xTF32 products of a general rotation. Coordinates < 256 (8 bits: head_dim <=
-    256, config.HEAD_DIM_RANGE)."""
-    p = rows[:, None] & cols[None, :]
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    m = tl.where(col_ok[None, :], tl.where((p & 1) != 0, -1.0, 1.0), 0.0).to(tl.float16)
-    hi = x.to(tl.float16)
-    return tl.dot(hi, m, tl.dot((x - hi.to(tl.float32)).to(tl.float16), m, acc))
-
-
-@triton.jit
-def _hadamard_signs(rot_ptr, idx, n):
-    """The signs s[idx] (+-1.0) of a rotation R = H diag(s) / sqrt(D) (codebook.py, rotation="hadamard"):
-    R's row 0 (H[0, :] = 1); 1.0 where idx >= n."""
-    return tl.where(tl.load(rot_ptr + idx, mask=idx < n, other=1.0) < 0, -1.0, 1.0)
-
-
-@triton.jit
-def _row_norm(x):
-    """Each row's largest |x| (1 where the row is all zero): x / it is within [-1, 1] for _hadamard_dot."""
-    amax = tl.max(tl.abs(x), axis=1)
-    return tl.where(amax > 0, amax, 1.0)
-
-
-@triton.jit
-def _hadamard_input(x, rot_ptr, idx, D: tl.constexpr):
-    """x * s (the signs of R = H diag(s) / sqrt(D) at coordinates idx) with rows scaled to |.| <= 1, and the
-    factor that takes a _hadamard_dot of it back to x @ R^T (the rows' scale / sqrt(D))."""
-    xs = x * _hadamard_signs(rot_ptr, idx, D)[None, :]
-    n = _row_norm(xs)[:, None]
-    return xs / n, n * (1.0 / tl.sqrt(D * 1.0))
-
-
-@triton.jit
 def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) without reading R: the first
-    butterfly of H_D folds the signed query's halves (u = a + b, v = a - b), then H_{D/2} (_hadamard_dot).
+    butterfly of H_D folds the signed query's halves (u = a + b, v = a - b), then H_{D/2} (hadamard_dot).
     Returns the rotated query's two halves (coordinates < D/2 and >= D/2), fp32 [BLOCK_M, D/2]."""
     H: tl.constexpr = D // 2
     ok = row_ok[:, None] & (hc[None, :] < H)
-    a = tl.load(q_row[:, None] + hc[None, :], mask=ok, other=0.0).to(tl.float32) * _hadamard_signs(rot_ptr, hc, H)[None, :]
-    b = tl.load(q_row[:, None] + H + hc[None, :], mask=ok, other=0.0).to(tl.float32) * _hadamard_signs(rot_ptr, H + hc, D)[None, :]
+    a = tl.load(q_row[:, None] + hc[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, hc, H)[None, :]
+    b = tl.load(q_row[:, None] + H + hc[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, H + hc, D)[None, :]
     u = a + b
     v = a - b
-    n = tl.maximum(_row_norm(u), _row_norm(v))[:, None]
+    n = tl.maximum(row_norm(u), row_norm(v))[:, None]
     zero = tl.zeros((BLOCK_M, hc.shape[0]), tl.float32)
-    q_lo = _hadamard_dot(u / n, hc, hc, hc < H, zero)
-    q_hi = _hadamard_dot(v / n, hc, hc, hc < H, zero)
+    q_lo = hadamard_dot(u / n, hc, hc, hc < H, zero)
+    q_hi = hadamard_dot(v / n, hc, hc, hc < H, zero)
     scale = n * (1.0 / tl.sqrt(D * 1.0))
     return q_lo * scale, q_hi * scale
 
@@ -680,7 +645,7 @@ def _attn_kernel(
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
         if HADAMARD:
-            q_unit, q_scale = _hadamard_input(q, rot_ptr, dc, D)
+            q_unit, q_scale = hadamard_input(q, rot_ptr, dc, D)
         for w in tl.static_range(6 if D == 128 else 8):
             if D != 128:
                 coord = w * 32 + r32
@@ -691,8 +656,8 @@ def _attn_kernel(
             else:  # codes 4, 5 (window Z, plane 2) and 6, 7 (window E, the spare bits): rows 0..15
                 coord = (w + 2) * 16 + r32 % 16
                 ok_r = r32 < 16
-            if HADAMARD:  # (q * s) @ H[:, coord] / sqrt(D), H built in registers (_hadamard_dot)
-                q_w = _hadamard_dot(q_unit, dc, coord, ok_r, tl.zeros((BLOCK_M, 32), tl.float32)) * q_scale
+            if HADAMARD:  # (q * s) @ H[:, coord] / sqrt(D), H built in registers (hadamard_dot)
+                q_w = hadamard_dot(q_unit, dc, coord, ok_r, tl.zeros((BLOCK_M, 32), tl.float32)) * q_scale
             else:
                 r_w = tl.load(rot_ptr + coord[None, :] * D + dc[:, None], mask=(dc[:, None] < D) & ok_r[None, :], other=0.0)
                 q_w = tl.dot(q, r_w, input_precision="tf32x3")
@@ -706,8 +671,8 @@ def _attn_kernel(
     else:
         q_key = q  # the query in the keys' space
         if KEY_BITS == 3 and HADAMARD:  # (q * s) @ H / sqrt(D), H built in registers
-            q_unit, q_scale = _hadamard_input(q, rot_ptr, dc, D)
-            q_key = _hadamard_dot(q_unit, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32)) * q_scale
+            q_unit, q_scale = hadamard_input(q, rot_ptr, dc, D)
+            q_key = hadamard_dot(q_unit, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32)) * q_scale
         elif KEY_BITS == 3:
             q_key = matmul_square(q, rot_ptr, D, DP, True)  # q @ R^T
         qmax = tl.max(tl.abs(q_key), axis=1)
@@ -849,9 +814,9 @@ def _attn_kernel(
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
         if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D) (H200, 9/3/64 B=1, with the query's: 3bit+opts 0.0312 -> 0.0267 ms, plain 0.0264 -> 0.0250)
-            n = _row_norm(out)[:, None]
-            out = _hadamard_dot(out / n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
-            out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * _hadamard_signs(vrot_ptr, dc, D)[None, :]
+            n = row_norm(out)[:, None]
+            out = hadamard_dot(out / n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
+            out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * hadamard_signs(vrot_ptr, dc, D)[None, :]
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
         elif VALUE_ROT:
@@ -1261,7 +1226,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
-    # registers (_hadamard_dot), not read.
+    # registers (hadamard_dot), not read.
     # H200, S=32k, 32/8/128, alternated twice (gpu_checks/session12/call3, call5): 4bit B=1 0.0368 -> 0.0337 ms,
     # B=16 0.2969 -> 0.2892; k3v4 B=1 0.0568 -> 0.0515, B=16 0.4707 -> 0.4313; 3bit B=1 0.0658 -> 0.0606, B=16
     # 0.6796 -> 0.6588. With 3-bit keys in 64-row (wgmma) tiles the GPU tests computed

@@ -28,6 +28,8 @@ from ._common import (
     check_tensor,
     codec_tensors,
     fp8e4m3_bits,
+    hadamard_dot,
+    hadamard_input,
     matmul_square,
     next_pow2,
     tuned_for_gpu as _tuned_for_gpu,
@@ -44,10 +46,16 @@ def _store_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.const
 
 
 @triton.jit
-def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr):
-    """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32): the split-half nibble pairs (j, j + D/2)."""
+def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, HADAMARD: tl.constexpr):
+    """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32; under rotation="hadamard" R is not read but built in
+    registers, _common.hadamard_dot): the split-half nibble pairs (j, j + D/2)."""
     cols = tl.arange(0, DP)
     hc = tl.arange(0, DHP)
+    if HADAMARD:
+        xu, scale = hadamard_input(x, rot_ptr, cols, D)
+        zero = tl.zeros((x.shape[0], DHP), tl.float32)
+        return (hadamard_dot(xu, cols, hc, hc < D // 2, zero, 3) * scale,
+                hadamard_dot(xu, cols, hc + D // 2, hc < D // 2, zero, 3) * scale)
     rmask = (cols[:, None] < D) & (hc[None, :] < D // 2)
     r_lo = tl.load(rot_ptr + hc[None, :] * D + cols[:, None], mask=rmask, other=0.0)  # R^T[:, :D/2]
     r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + cols[:, None], mask=rmask, other=0.0)
@@ -55,8 +63,12 @@ def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.conste
 
 
 @triton.jit
-def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr):
-    """x @ R^T (fp32, 3xTF32)."""
+def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, HADAMARD: tl.constexpr):
+    """x @ R^T (fp32, 3xTF32; under rotation="hadamard" built in registers)."""
+    if HADAMARD:
+        cols = tl.arange(0, DP)
+        xu, scale = hadamard_input(x, rot_ptr, cols, D)
+        return hadamard_dot(xu, cols, cols, cols < D, tl.zeros((x.shape[0], DP), tl.float32), 3) * scale
     return matmul_square(x, rot_ptr, D, DP, True)
 
 
@@ -163,6 +175,7 @@ def _store_kernel(
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
     SYMMETRIC: tl.constexpr,  # 4-bit codebook exactly symmetric in fp32: _bucket_sign_magnitude
+    HADAMARD: tl.constexpr,  # rotation="hadamard": rotations built in registers (hadamard_dot), R / Rv not read
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -205,7 +218,7 @@ def _store_kernel(
             rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
             inv = tl.where(nonzero, rms_u, 1.0)[:, None]
             if KEY_BITS == 4:
-                y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP)
+                y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP, HADAMARD)
                 # stored sign-magnitude (reference.stored_codes): level n >= 8 -> n - 8, n < 8 -> 15 - n
                 if SYMMETRIC:
                     c_lo, v_lo = _bucket_sign_magnitude(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC)
@@ -218,11 +231,11 @@ def _store_kernel(
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
             elif KEY_PLANES:  # 3-bit code planes (layout.key_planes): bucketed in coordinate order, then shuffled
-                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
                 _store_key_planes(plane[:, None] + off[:, None] * KB, code, ok, BLOCK_T, D)
             else:  # other 3-bit keys: a little-endian bit stream, 8 codes -> 3 bytes
-                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP), inv), bnd_ptr, cent_ptr, NC - 1)
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
                 _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
             scale = amax * rms_u
@@ -237,7 +250,7 @@ def _store_kernel(
         if VALUE_BITS == 4:
             if VALUE_ROT:
                 xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-                x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP)
+                x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP, HADAMARD)
             else:
                 x_lo = tl.load(vbase[:, None] + hc[None, :], mask=hmask, other=0.0).to(tl.float32)
                 x_hi = tl.load(vbase[:, None] + hc[None, :] + D // 2, mask=hmask, other=0.0).to(tl.float32)
@@ -246,7 +259,7 @@ def _store_kernel(
         else:
             xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
             if VALUE_ROT:
-                xv = _rotate(xv, vrot_ptr, D, DP)
+                xv = _rotate(xv, vrot_ptr, D, DP, HADAMARD)
             vmax = tl.max(tl.where(cmask, xv, -float("inf")), axis=1)
             vmin = tl.min(tl.where(cmask, xv, float("inf")), axis=1)
         vmax = tl.where(ok, vmax, 0.0)
@@ -361,7 +374,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
             VALUE_PLANES=value_planes(cfg, d),
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
-            HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t,
+            HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t, HADAMARD=cfg.rotation == "hadamard",
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
             num_warps=num_warps,
         ))
