@@ -777,12 +777,14 @@ def test_decode_three_bit_value_planes(head_dim, options):
 
 # per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked
 # apart (odd kv_start, the walk's end, the exact prefix's end), at every block size
+# or each token's fields from its pair's 32-bit word (meta_words)
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("options", [False, True])
-def test_meta_pairs_decode(block_size, options):
+@pytest.mark.parametrize("meta", ["meta_pairs", "meta_words"])
+def test_meta_pairs_decode(block_size, options, meta):
     layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    tuning = {"meta_pairs": True}
+    tuning = {meta: True}
     _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
     _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
     if options:

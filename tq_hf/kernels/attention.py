@@ -222,6 +222,16 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
 
 
 @triton.jit
+def _load_meta_word(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
+    """A metadata field of each token as fp32, read from the 32-bit word of its token pair (T is even and
+    the planes 32-byte aligned): 4-byte loads, which Triton's pipeliner prefetches a tile ahead (cp.async)
+    at the codes' addresses, where 2-byte loads stall every tile on their latency."""
+    ptr = (pool_ptr + (plane + META + (field * T + (off & -2)) * 2)).to(tl.pointer_type(tl.uint32))
+    w = tl.load(ptr, mask=mask, other=0)
+    return tl.where((off & 1) != 0, w & 0xFFFF0000, w << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T: tl.constexpr, META: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, MASKED: tl.constexpr):
     """The three metadata fields (key scale, value scale, value mid) of tile [t0, t0 + BLOCK_N) as fp32
@@ -357,7 +367,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
                VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
-               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
     first position and visible to every row (no tests, no load masks: 11% fewer instructions per
@@ -444,6 +454,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
+    elif META_WORDS:
+        k_scale = _load_meta_word(pool_ptr, plane, 0, off, T, META, tok_ok)
     else:
         k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok)
     if MASKED:
@@ -469,7 +481,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if not META_PAIRS:
+    if META_WORDS and not META_PAIRS:
+        v_scale = _load_meta_word(pool_ptr, plane, 1, off, T, META, tok_ok)
+        v_mid = _load_meta_word(pool_ptr, plane, 2, off, T, META, tok_ok)
+    elif not META_PAIRS:
         v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok)
         v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
@@ -554,6 +569,7 @@ def _attn_kernel(
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
+    META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (_load_meta_word), prefetched too
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
 ):
@@ -731,7 +747,7 @@ def _attn_kernel(
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, False)
+            META_PAIRS, META_WORDS, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
@@ -739,7 +755,7 @@ def _attn_kernel(
             bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, True)
+            META_PAIRS, META_WORDS, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -1224,6 +1240,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
+    meta_words = bool(tuning.get("meta_words", False))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
@@ -1287,7 +1304,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
