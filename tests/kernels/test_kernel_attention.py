@@ -475,6 +475,8 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs else 2), seen
+    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13)
+    assert seen["META_WORDS"] == (not pairs and q_len == 1 and head_dim == 128), seen
     seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False

@@ -18,7 +18,8 @@ bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in deco
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
 metadata (key scale, value scale and mid) is read as bf16, or, in small-batch decode with the lookup
-(META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead.
+(META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead; in other
+decode at head_dim 128 each token's fields from its pair's 32-bit word (META_WORDS), prefetched too.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
@@ -1049,6 +1050,7 @@ def unified_attention(
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
     "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
     "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens),
+    "meta_words" (else each token's metadata from its pair's 32-bit word),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take)}).
     Returns `out` (allocated if None) in query's dtype.
     """
@@ -1240,7 +1242,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
-    meta_words = bool(tuning.get("meta_words", False))
+    # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched by the pipeliner):
+    # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
+    # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
+    # 64 (9/3/64 4bit B=16 0.1139 -> 0.1556) slower, so not there
+    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
