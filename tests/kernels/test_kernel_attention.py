@@ -782,11 +782,11 @@ def test_decode_three_bit_value_planes(head_dim, options):
 # or each token's fields from its pair's 32-bit word (meta_words)
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("options", [False, True])
-@pytest.mark.parametrize("meta", ["meta_pairs", "meta_words"])
+@pytest.mark.parametrize("meta", ["meta_pairs", "meta_words", "meta_words+bt_next"])
 def test_meta_pairs_decode(block_size, options, meta):
     layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    tuning = {meta: True}
+    tuning = {m: True for m in meta.split("+")} | ({"vmid_chain": True} if "bt_next" in meta else {})
     _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
     _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
     if options:

@@ -360,7 +360,7 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
 
 @triton.jit
 def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-               bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
+               bt_row, blk_pre, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
                hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr,
                D: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                META: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -368,7 +368,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
                VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
-               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, MASKED: tl.constexpr):
+               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
+               MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
     first position and visible to every row (no tests, no load masks: 11% fewer instructions per
@@ -380,7 +381,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             tok_ok = tok_ok & (tok >= pool_first)
     else:  # a whole tile of visible positions (see the kernel's walk): masks the compiler drops
         tok_ok = tl.full((BLOCK_N,), True, tl.int1)
-    blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(head_off.dtype)
+    if blk_pre is None:
+        blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(head_off.dtype)
+    else:  # loaded an iteration ahead by the walk (BT_NEXT)
+        blk = blk_pre.to(head_off.dtype)
     off = tok % T
     plane = blk * block_bytes + head_off  # the planes' byte offsets in the pool (int32 when it has < 2**31 bytes)
 
@@ -493,7 +497,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     bias_acc = bias_acc * alpha + sum_pb
 
     # values
-    ps = (p * v_scale[None, :]).to(tl.float16)
+    if VMID_CHAIN:  # v_mid enters the MMA operand's chain (+ 0 * v_mid): Triton's pipeliner prefetches only such loads
+        ps = (p * (v_scale + 0.0 * v_mid)[None, :]).to(tl.float16)
+    else:
+        ps = (p * v_scale[None, :]).to(tl.float16)
     if VALUE_BITS == 4 and VALUE_WORDS:
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
@@ -571,6 +578,8 @@ def _attn_kernel(
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
     META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (_load_meta_word), prefetched too
+    VMID_CHAIN: tl.constexpr,  # v_mid's load joins the value MMA operand's chain, so the pipeliner prefetches it
+    BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
 ):
@@ -742,21 +751,34 @@ def _attn_kernel(
     if not HAS_WINDOW:
         body_end = head_end + tl.maximum(tl.minimum(end, qpos_lo + 1) - head_end, 0) // BLOCK_N * BLOCK_N
     n_head = tl.cdiv(head_end - start, BLOCK_N)  # 0 or 1
-    for t0 in range(head_end, body_end, BLOCK_N):
+    if BT_NEXT:  # each tile's block-table entries loaded an iteration ahead: its code loads are direct
+        tn = tl.arange(0, BLOCK_N)
+        blk_n = tl.load(bt_row + (head_end + tn) // T, mask=head_end + tn < body_end, other=0)
+        for t0 in range(head_end, body_end, BLOCK_N):
+            blk_c = blk_n
+            blk_n = tl.load(bt_row + (t0 + BLOCK_N + tn) // T, mask=t0 + BLOCK_N + tn < body_end, other=0)
+            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+                bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
+    else:
+      for t0 in range(head_end, body_end, BLOCK_N):
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, META_WORDS, False)
+            META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, META_WORDS, True)
+            META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -1247,6 +1269,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
     # 64 (9/3/64 4bit B=16 0.1139 -> 0.1556) slower, so not there
     meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128))
+    vmid_chain = bool(tuning.get("vmid_chain", False))
+    bt_next = bool(tuning.get("bt_next", False))
     num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
@@ -1310,7 +1334,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
