@@ -474,9 +474,13 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words or planes), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
-    assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs else 2), seen
-    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13)
-    assert seen["META_WORDS"] == (not pairs and q_len == 1 and head_dim == 128), seen
+    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13),
+    # not FP8 keys without the register cap; with it v_mid prefetched, and for codebook keys the block-table
+    # entries an iteration ahead with 3 stages
+    meta_words = not pairs and q_len == 1 and head_dim == 128 and not (preset == "k8v4" and maxnreg is None)
+    bt_next = meta_words and preset != "k8v4"
+    assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
+    assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
@@ -792,3 +796,12 @@ def test_meta_pairs_decode(block_size, options, meta):
     if options:
         _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
                num_splits=3, tuning=tuning, **kw)
+
+
+# what a GPU's decode at head_dim 128 takes: the pair words, v_mid prefetched, block-table entries an iteration
+# ahead, for the 3-bit code planes and FP8 keys too
+@pytest.mark.parametrize("preset", ["3bit", "k8v4"])
+def test_meta_words_decode_at_head_dim_128(preset):
+    layout = make_layout(preset, 2, 128)
+    tuning = {"meta_words": True, "vmid_chain": True, "bt_next": True}
+    _check(layout, [71, 34], 1, 4, num_splits=2, kv_start=torch.tensor([0, 3], device=DEVICE), tuning=tuning)

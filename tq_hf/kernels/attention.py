@@ -764,13 +764,13 @@ def _attn_kernel(
                 HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
                 PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     else:
-      for t0 in range(head_end, body_end, BLOCK_N):
-        m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-            t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
-            HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, META_WORDS, VMID_CHAIN, False)
+        for t0 in range(head_end, body_end, BLOCK_N):
+            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+                bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
@@ -1072,7 +1072,8 @@ def unified_attention(
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
     "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
     "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens),
-    "meta_words" (else each token's metadata from its pair's 32-bit word),
+    "meta_words" (else each token's metadata from its pair's 32-bit word), "vmid_chain" (v_mid's load made
+    one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take)}).
     Returns `out` (allocated if None) in query's dtype.
     """
@@ -1268,10 +1269,18 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
     # 64 (9/3/64 4bit B=16 0.1139 -> 0.1556) slower, so not there
-    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128))
-    vmid_chain = bool(tuning.get("vmid_chain", False))
-    bt_next = bool(tuning.get("bt_next", False))
-    num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
+    # not for FP8 keys without the register cap (B=1 k8v4 0.0370 -> 0.0416 ms with them)
+    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128
+                                 and not (cfg.key_bits == 8 and maxnreg is None)))
+    # Triton's pipeliner prefetches only loads that feed an MMA operand: v_mid (only in the rank-1 bias term)
+    # joins the value operand's chain as + 0 * v_mid. H200 S=32k (gpu_checks/session13/call5): B=16 4bit
+    # 0.2682 -> 0.2626 ms, k8v4 0.2518 -> 0.2344, k3v4 0.4327 -> 0.4240; 128k 4bit 1.067 -> 1.008
+    vmid_chain = bool(tuning.get("vmid_chain", meta_words))
+    # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
+    # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
+    # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958)
+    bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook))
+    num_stages = tuning.get("num_stages", 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
     # H200, S=32k, 32/8/128, alternated twice (gpu_checks/session12/call3, call5): 4bit B=1 0.0368 -> 0.0337 ms,
