@@ -1269,13 +1269,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
     # 64 (9/3/64 4bit B=16 0.1139 -> 0.1556) slower, so not there
-    # not for FP8 keys without the register cap (B=1 k8v4 0.0370 -> 0.0416 ms with them)
-    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128
-                                 and not (cfg.key_bits == 8 and maxnreg is None)))
+    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128))
     # Triton's pipeliner prefetches only loads that feed an MMA operand: v_mid (only in the rank-1 bias term)
-    # joins the value operand's chain as + 0 * v_mid. H200 S=32k (gpu_checks/session13/call5): B=16 4bit
-    # 0.2682 -> 0.2626 ms, k8v4 0.2518 -> 0.2344, k3v4 0.4327 -> 0.4240; 128k 4bit 1.067 -> 1.008
-    vmid_chain = bool(tuning.get("vmid_chain", meta_words))
+    # joins the value operand's chain as + 0 * v_mid. H200 S=32k (gpu_checks/session13/call5, call6): B=16
+    # 4bit 0.2682 -> 0.2626 ms, k8v4 0.2518 -> 0.2344, k3v4 0.4327 -> 0.4240; 128k 4bit 1.067 -> 1.008; B=1
+    # k8v4 (words alone 0.0370 -> 0.0416) 0.0370 -> 0.0326 with words; pairs: B=4 4bit 0.0770 -> 0.0763
+    vmid_chain = bool(tuning.get("vmid_chain", meta_words or meta_pairs))
     # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
     # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
     # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958)
