@@ -481,6 +481,13 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words or pairs, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
+    if meta_words:  # with centering + value rotation (the cache's defaults) no block-table prefetch: 2 stages
+        opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
+        pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
+        unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          key_offset=torch.zeros(batch, 8, head_dim))
+        assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
+        seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
 

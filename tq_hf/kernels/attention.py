@@ -1277,8 +1277,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     vmid_chain = bool(tuning.get("vmid_chain", meta_words or meta_pairs))
     # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
     # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
-    # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958)
-    bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook))
+    # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958),
+    # and so does the plain format's loop with centering + value rotation (B=16 4bit 0.2725 -> 0.2798, call7:
+    # 893 -> 974 instructions per tile, more spills under the 128-register cap, sm_90a)
+    bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook
+                              and not (cfg.key_centering or cfg.value_rotation)))
     num_stages = tuning.get("num_stages", 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
