@@ -475,10 +475,10 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
     # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
-    # with either, v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
+    # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
     meta_words = not pairs and q_len == 1 and head_dim == 128
     bt_next = meta_words and preset != "k8v4"
-    assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words or pairs, bt_next), seen
+    assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
     if meta_words:  # with centering + value rotation (the cache's defaults) no block-table prefetch: 2 stages

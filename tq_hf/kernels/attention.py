@@ -1273,8 +1273,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # Triton's pipeliner prefetches only loads that feed an MMA operand: v_mid (only in the rank-1 bias term)
     # joins the value operand's chain as + 0 * v_mid. H200 S=32k (gpu_checks/session13/call5, call6): B=16
     # 4bit 0.2682 -> 0.2626 ms, k8v4 0.2518 -> 0.2344, k3v4 0.4327 -> 0.4240; 128k 4bit 1.067 -> 1.008; B=1
-    # k8v4 (words alone 0.0370 -> 0.0416) 0.0370 -> 0.0326 with words; pairs: B=4 4bit 0.0770 -> 0.0763
-    vmid_chain = bool(tuning.get("vmid_chain", meta_words or meta_pairs))
+    # k8v4 (words alone 0.0370 -> 0.0416) 0.0370 -> 0.0326 with words. With the token pairs it did not clearly
+    # pay (B=4 4bit 0.0770 -> 0.0763, B=1 0.0338 -> 0.0336, B=1 with all levers 0.0469 -> 0.0479): not there
+    vmid_chain = bool(tuning.get("vmid_chain", meta_words))
     # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
     # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
     # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958),
