@@ -29,11 +29,13 @@ plain format and all levers; each output checked against the gather's.
     python -m eval.bench_decode_variants --sweep warps2 --points 1x32768,2x32768,4x32768,8x32768 --presets 4bit,k8v4
     python -m eval.bench_decode_variants --sweep narrow --points 2x32768,4x32768,8x32768
     python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768 --out eval/results/decode_lookups
+    python -m eval.bench_decode_variants --presets 4bit,k8v4 --rounds 2 --variants "{'default': {}, 'no bt': {'bt_next': False}}"
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 from pathlib import Path
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eval.bench_kernels import _fill_pool, _flush_buffer, make_config, time_ms
+from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, make_config, time_ms
 from eval.common import markdown_table, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
@@ -161,7 +163,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits", "warps", "warps2", "narrow"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
+    ap.add_argument("--variants", help="tiles sweep: a Python dict literal {name: tuning} instead of VARIANTS, "
+                                       "e.g. \"{'default': {}, 'no bt': {'bt_next': False}}\"")
+    ap.add_argument("--rounds", type=int, default=1, help="tiles sweep: time the variants this many times, alternated")
     args = ap.parse_args(argv)
+    variants = ast.literal_eval(args.variants) if args.variants else VARIANTS
     from tq_hf.config import TurboQuantConfig
     from tq_hf.kernels import unified_attention
     from tq_hf.layout import BlockLayout
@@ -221,25 +227,28 @@ def main(argv: list[str] | None = None) -> None:
             continue
         for preset in args.presets.split(","):
             layout = BlockLayout(make_config(preset), hk, d)
-            pool, table = _fill_pool(layout, b, s)
+            mu = _key_offset(layout)
+            pool, table = _fill_pool(layout, b, s, key_offset=mu)
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None
-            for name, variant in {"splits": SPLITS, "warps": WARPS, "warps2": WARPS2}.get(args.sweep, VARIANTS).items():
+            sweep = {"splits": SPLITS, "warps": WARPS, "warps2": WARPS2}.get(args.sweep, variants)
+            for rnd, (name, variant) in ((r, nv) for r in range(args.rounds) for nv in sweep.items()):
                 out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
                 tuning = {k: v for k, v in variant.items() if k not in ("num_splits", "split_factor")}
                 if "split_factor" in variant:  # the launcher's split count for these arguments, scaled
                     variant = {**variant, "num_splits": _default_splits(q, pool, layout, table, seq, s) * variant["split_factor"]}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
-                                                     tuning=tuning, num_splits=variant.get("num_splits"))
+                                                     tuning=tuning, num_splits=variant.get("num_splits"), key_offset=mu)
                     ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
                 except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
                     rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
                     print(f"B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
                     continue
                 cbytes = b * hk * s * layout.config.token_head_bytes(d)
-                rows.append(_row(b, s, preset, name, variant, ms, diff, sdpa, cbytes, out))
+                rows.append(_row(b, s, preset, name if args.rounds == 1 else f"{name} (round {rnd + 1})", variant, ms,
+                                 diff, sdpa, cbytes, out))
                 print(f"B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
                       f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
             del pool, table

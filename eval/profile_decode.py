@@ -4,14 +4,18 @@ Builds a pool of B rows x S random tokens (the bench's shapes), launches the att
 times, and prints what the compiled kernel uses (registers, spills, shared memory) and the SASS
 instruction mix of its variants. Run it under Nsight Compute to read the hardware counters:
 
-    ncu --clock-control none --set full -k regex:_attn_kernel --launch-skip 2 --launch-count 1 \
-        python -m eval.profile_decode --preset 4bit --batch 16 --length 32768
+    ncu --clock-control none --set full -k regex:_attn_kernel --launch-skip 2 --launch-count 1 -o r \
+        python -m eval.profile_decode --preset 4bit --batch 16 --length 32768 [--tuning "{'bt_next': False}"]
+    ncu --import r.ncu-rep --page source --csv --print-source sass > r.csv
+    python -m eval.profile_decode --stalls r.csv     # where the warps wait: by reason, opcode, instruction
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
+import csv
 import math
 import re
 import subprocess
@@ -48,6 +52,41 @@ def describe_compiled(kernel) -> None:
                 print(f"  SASS mix unavailable: {exc}")
 
 
+def stall_summary(csv_path: str, top: int = 12) -> None:
+    """Print Nsight Compute's warp-stall samples of a `--page source --print-source sass --csv` export:
+    per stall reason, per opcode (with the executed share) and the instructions that collect the most."""
+    rows = list(csv.reader(open(csv_path)))
+    header = next(r for r in rows if r and r[0] == "Address")
+    data = [r for r in rows[rows.index(header) + 1:] if len(r) == len(header)]
+    col = {h: i for i, h in enumerate(header)}
+    reasons = [h for h in header if h.startswith("stall_") and "Not Issued" not in h]
+    samples, executed = col["Warp Stall Sampling (All Samples)"], col["Instructions Executed"]
+
+    def num(r, i):
+        return int(r[i] or 0)
+
+    total = sum(num(r, samples) for r in data) or 1
+    total_exec = sum(num(r, executed) for r in data) or 1
+    print(f"{total} stall samples")
+    by_reason = collections.Counter({h: sum(num(r, col[h]) for r in data) for h in reasons})
+    for h, v in by_reason.most_common():
+        if v:
+            print(f"  {h:24s} {100 * v / total:5.1f}%")
+    by_op, exec_op = collections.Counter(), collections.Counter()
+    for r in data:
+        m = re.match(r"\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", r[col["Source"]])
+        op = m.group(1) if m else "?"
+        by_op[op] += num(r, samples)
+        exec_op[op] += num(r, executed)
+    print("opcode: share of stall samples / of executed instructions")
+    for op, v in by_op.most_common(top):
+        print(f"  {op:8s} {100 * v / total:5.1f}% / {100 * exec_op[op] / total_exec:5.1f}%")
+    print("instructions with the most samples (top reasons)")
+    for r in sorted(data, key=lambda r: -num(r, samples))[:top]:
+        why = sorted(((num(r, col[h]), h[6:]) for h in reasons), reverse=True)[:2]
+        print(f"  {r[0][-6:]} {100 * num(r, samples) / total:5.1f}% {r[col['Source']].strip()[:56]:56s} {why}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m eval.profile_decode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--heads", default="32,8,128", help="Hq,Hk,D")
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--tuning", default="{}", help="unified_attention tuning, a Python dict literal")
+    ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page SASS export instead")
     args = ap.parse_args(argv)
+    if args.stalls:
+        stall_summary(args.stalls)
+        return
     from eval.bench_kernels import _fill_pool, _key_offset, make_config
     from tq_hf.kernels import unified_attention
     from tq_hf.kernels.attention import _attn_kernel
@@ -71,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
     out = torch.empty_like(q)
     for _ in range(args.launches):
-        unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out, key_offset=mu)
+        unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out, key_offset=mu,
+                          tuning=ast.literal_eval(args.tuning))
     torch.cuda.synchronize()
     print(f"{args.preset} B={b} S={s} {hq}/{hk}/{d}: compressed bytes {b * hk * s * layout.config.token_head_bytes(d) / 1e9:.3f} GB")
     describe_compiled(_attn_kernel)

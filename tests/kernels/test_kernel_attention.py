@@ -474,8 +474,20 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words or planes), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three
-    assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs else 2), seen
+    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
+    # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
+    meta_words = not pairs and q_len == 1 and head_dim == 128
+    bt_next = meta_words and preset != "k8v4"
+    assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
+    assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
+    if meta_words:  # with centering + value rotation (the cache's defaults) no block-table prefetch: 2 stages
+        opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
+        pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
+        unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          key_offset=torch.zeros(batch, 8, head_dim))
+        assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
+        seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
 
@@ -777,14 +789,25 @@ def test_decode_three_bit_value_planes(head_dim, options):
 
 # per-token metadata as 32-bit token pairs (small-batch decode on a GPU): a pair's tokens may be masked
 # apart (odd kv_start, the walk's end, the exact prefix's end), at every block size
+# or each token's fields from its pair's 32-bit word (meta_words)
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("options", [False, True])
-def test_meta_pairs_decode(block_size, options):
+@pytest.mark.parametrize("meta", ["meta_pairs", "meta_words", "meta_words+bt_next"])
+def test_meta_pairs_decode(block_size, options, meta):
     layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    tuning = {"meta_pairs": True}
+    tuning = {m: True for m in meta.split("+")} | ({"vmid_chain": True} if "bt_next" in meta else {})
     _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
     _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
     if options:
         _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
                num_splits=3, tuning=tuning, **kw)
+
+
+# what a GPU's decode at head_dim 128 takes: the pair words, v_mid prefetched, block-table entries an iteration
+# ahead, for the 3-bit code planes and FP8 keys too
+@pytest.mark.parametrize("preset", ["3bit", "k8v4"])
+def test_meta_words_decode_at_head_dim_128(preset):
+    layout = make_layout(preset, 2, 128)
+    tuning = {"meta_words": True, "vmid_chain": True, "bt_next": True}
+    _check(layout, [71, 34], 1, 4, num_splits=2, kv_start=torch.tensor([0, 3], device=DEVICE), tuning=tuning)

@@ -18,7 +18,8 @@ bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in deco
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
 metadata (key scale, value scale and mid) is read as bf16, or, in small-batch decode with the lookup
-(META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead.
+(META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead; in other
+decode at head_dim 128 each token's fields from its pair's 32-bit word (META_WORDS), prefetched too.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
@@ -222,6 +223,16 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
 
 
 @triton.jit
+def _load_meta_word(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
+    """A metadata field of each token as fp32, read from the 32-bit word of its token pair (T is even and
+    the planes 32-byte aligned): 4-byte loads, which Triton's pipeliner prefetches a tile ahead (cp.async)
+    at the codes' addresses, where 2-byte loads stall every tile on their latency."""
+    ptr = (pool_ptr + (plane + META + (field * T + (off & -2)) * 2)).to(tl.pointer_type(tl.uint32))
+    w = tl.load(ptr, mask=mask, other=0)
+    return tl.where((off & 1) != 0, w & 0xFFFF0000, w << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T: tl.constexpr, META: tl.constexpr,
                 BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, MASKED: tl.constexpr):
     """The three metadata fields (key scale, value scale, value mid) of tile [t0, t0 + BLOCK_N) as fp32
@@ -349,7 +360,7 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
 
 @triton.jit
 def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-               bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
+               bt_row, blk_pre, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
                hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr,
                D: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                META: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -357,7 +368,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
                VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
-               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+               VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
+               MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
     first position and visible to every row (no tests, no load masks: 11% fewer instructions per
@@ -369,7 +381,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             tok_ok = tok_ok & (tok >= pool_first)
     else:  # a whole tile of visible positions (see the kernel's walk): masks the compiler drops
         tok_ok = tl.full((BLOCK_N,), True, tl.int1)
-    blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(head_off.dtype)
+    if blk_pre is None:
+        blk = tl.load(bt_row + tok // T, mask=tok_ok, other=0).to(head_off.dtype)
+    else:  # loaded an iteration ahead by the walk (BT_NEXT)
+        blk = blk_pre.to(head_off.dtype)
     off = tok % T
     plane = blk * block_bytes + head_off  # the planes' byte offsets in the pool (int32 when it has < 2**31 bytes)
 
@@ -444,6 +459,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
+    elif META_WORDS:
+        k_scale = _load_meta_word(pool_ptr, plane, 0, off, T, META, tok_ok)
     else:
         k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok)
     if MASKED:
@@ -469,7 +486,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if not META_PAIRS:
+    if META_WORDS and not META_PAIRS:
+        v_scale = _load_meta_word(pool_ptr, plane, 1, off, T, META, tok_ok)
+        v_mid = _load_meta_word(pool_ptr, plane, 2, off, T, META, tok_ok)
+    elif not META_PAIRS:
         v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok)
         v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
@@ -477,7 +497,10 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     bias_acc = bias_acc * alpha + sum_pb
 
     # values
-    ps = (p * v_scale[None, :]).to(tl.float16)
+    if VMID_CHAIN:  # v_mid enters the MMA operand's chain (+ 0 * v_mid): Triton's pipeliner prefetches only such loads
+        ps = (p * (v_scale + 0.0 * v_mid)[None, :]).to(tl.float16)
+    else:
+        ps = (p * v_scale[None, :]).to(tl.float16)
     if VALUE_BITS == 4 and VALUE_WORDS:
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
@@ -554,6 +577,9 @@ def _attn_kernel(
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
+    META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (_load_meta_word), prefetched too
+    VMID_CHAIN: tl.constexpr,  # v_mid's load joins the value MMA operand's chain, so the pipeliner prefetches it
+    BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
 ):
@@ -725,21 +751,34 @@ def _attn_kernel(
     if not HAS_WINDOW:
         body_end = head_end + tl.maximum(tl.minimum(end, qpos_lo + 1) - head_end, 0) // BLOCK_N * BLOCK_N
     n_head = tl.cdiv(head_end - start, BLOCK_N)  # 0 or 1
-    for t0 in range(head_end, body_end, BLOCK_N):
-        m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-            t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
-            HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, False)
+    if BT_NEXT:  # each tile's block-table entries loaded an iteration ahead: its code loads are direct
+        tn = tl.arange(0, BLOCK_N)
+        blk_n = tl.load(bt_row + (head_end + tn) // T, mask=head_end + tn < body_end, other=0)
+        for t0 in range(head_end, body_end, BLOCK_N):
+            blk_c = blk_n
+            blk_n = tl.load(bt_row + (t0 + BLOCK_N + tn) // T, mask=t0 + BLOCK_N + tn < body_end, other=0)
+            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+                bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
+    else:
+        for t0 in range(head_end, body_end, BLOCK_N):
+            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+                bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
-            META_PAIRS, True)
+            META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
     acc_x = tl.zeros((BLOCK_M, DP if EXACT_ACC else 16), tl.float32)
@@ -1033,6 +1072,8 @@ def unified_attention(
     "value_words" (4-bit value codes as 16-bit words into 4 accumulators, else bytes into 2),
     "exact_program" (split decode: attend the exact prefix/ring in a program of their own),
     "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens),
+    "meta_words" (else each token's metadata from its pair's 32-bit word), "vmid_chain" (v_mid's load made
+    one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take)}).
     Returns `out` (allocated if None) in query's dtype.
     """
@@ -1224,7 +1265,25 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
     # eval/results/gpu_checks/session6/README.md)
     meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
-    num_stages = tuning.get("num_stages", 3 if meta_pairs else 2) if on_gpu else 1
+    # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched by the pipeliner):
+    # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
+    # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
+    # 64 (9/3/64 4bit B=16 0.1139 -> 0.1556) slower, so not there
+    meta_words = bool(tuning.get("meta_words", decode and on_gpu and not meta_pairs and d == 128))
+    # Triton's pipeliner prefetches only loads that feed an MMA operand: v_mid (only in the rank-1 bias term)
+    # joins the value operand's chain as + 0 * v_mid. H200 S=32k (gpu_checks/session13/call5, call6): B=16
+    # 4bit 0.2682 -> 0.2626 ms, k8v4 0.2518 -> 0.2344, k3v4 0.4327 -> 0.4240; 128k 4bit 1.067 -> 1.008; B=1
+    # k8v4 (words alone 0.0370 -> 0.0416) 0.0370 -> 0.0326 with words. With the token pairs it did not clearly
+    # pay (B=4 4bit 0.0770 -> 0.0763, B=1 0.0338 -> 0.0336, B=1 with all levers 0.0469 -> 0.0479): not there
+    vmid_chain = bool(tuning.get("vmid_chain", meta_words))
+    # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
+    # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
+    # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958),
+    # and so does the plain format's loop with centering + value rotation (B=16 4bit 0.2725 -> 0.2798, call7:
+    # 893 -> 974 instructions per tile, more spills under the 128-register cap, sm_90a)
+    bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook
+                              and not (cfg.key_centering or cfg.value_rotation)))
+    num_stages = tuning.get("num_stages", 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
     # H200, S=32k, 32/8/128, alternated twice (gpu_checks/session12/call3, call5): 4bit B=1 0.0368 -> 0.0337 ms,
@@ -1287,7 +1346,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
