@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# session 13 call 9 (one H200): Nsight Compute of the landed decode (main 5598b30), B=16 S=32k 4bit and k8v4
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+R=/tmp/r; mkdir -p $R
+for p in 4bit k8v4; do
+  timeout 120 ncu --clock-control none --set full -k regex:_attn_kernel --launch-skip 2 --launch-count 1 -f -o $R/$p \
+    python3 -m eval.profile_decode --preset $p --batch 16 --length 32768 > $R/$p.log 2>&1; echo "$p rc=$?"
+  ncu --import $R/$p.ncu-rep --page details > $R/$p.details.txt 2>&1
+  ncu --import $R/$p.ncu-rep --page source --csv --print-source sass > $R/$p.csv 2>&1
+  python3 -m eval.profile_decode --stalls $R/$p.csv > $R/$p.stalls.txt 2>&1
+  grep -E "Duration|DRAM Throughput|Issue Slots Busy|Eligible Warps|Active Warps Per|Registers Per|Dynamic Shared|Warp Cycles Per Issued" $R/$p.details.txt
+  head -40 $R/$p.stalls.txt
+done
+rm -f $R/*.ncu-rep $R/*.csv
+tar czf "$OUT/r.tgz" -C $R .
