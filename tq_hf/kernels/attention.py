@@ -19,7 +19,7 @@ value codes are loaded as 16-bit words (two tokens per MMA operand register) and
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
 metadata (key scale, value scale and mid) is read as bf16, or, in small-batch decode with the lookup
 (META_PAIRS), as 32-bit words of two tokens, which the pipeliner prefetches a tile ahead; in other
-decode at head_dim 128 each token's fields from its pair's 32-bit word (META_WORDS), prefetched too.
+decode at head_dim 128 each token's fields from its pair's 32-bit word (META_WORDS, _load_meta), prefetched too.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to
 every raw score before the softcap; value_rotation multiplies each program's output rows by Rv
 once in the epilogue (split partials too: the log-sum-exp merge is linear in them). 3-bit codes
@@ -217,19 +217,17 @@ def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
+def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
+               WORDS: tl.constexpr):
+    """A metadata field (bf16) of each token as fp32. WORDS: read from the 32-bit word of the token's pair (T is
+    even, the planes 32-byte aligned): 4-byte loads, which Triton's pipeliner prefetches a tile ahead
+    (cp.async), where 2-byte loads stall every tile on their latency."""
+    if WORDS:
+        ptr = (pool_ptr + (plane + META + (field * T + (off & -2)) * 2)).to(tl.pointer_type(tl.uint32))
+        w = tl.load(ptr, mask=mask, other=0)
+        return tl.where((off & 1) != 0, w & 0xFFFF0000, w << 16).to(tl.float32, bitcast=True)
     ptr = (pool_ptr + (plane + META + (field * T + off) * 2)).to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _load_meta_word(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask):
-    """A metadata field of each token as fp32, read from the 32-bit word of its token pair (T is even and
-    the planes 32-byte aligned): 4-byte loads, which Triton's pipeliner prefetches a tile ahead (cp.async)
-    at the codes' addresses, where 2-byte loads stall every tile on their latency."""
-    ptr = (pool_ptr + (plane + META + (field * T + (off & -2)) * 2)).to(tl.pointer_type(tl.uint32))
-    w = tl.load(ptr, mask=mask, other=0)
-    return tl.where((off & 1) != 0, w & 0xFFFF0000, w << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -459,10 +457,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
-    elif META_WORDS:
-        k_scale = _load_meta_word(pool_ptr, plane, 0, off, T, META, tok_ok)
     else:
-        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok)
+        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -486,12 +482,9 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if META_WORDS and not META_PAIRS:
-        v_scale = _load_meta_word(pool_ptr, plane, 1, off, T, META, tok_ok)
-        v_mid = _load_meta_word(pool_ptr, plane, 2, off, T, META, tok_ok)
-    elif not META_PAIRS:
-        v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok)
-        v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok)
+    if not META_PAIRS:
+        v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)
+        v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
     l_i = l_i * alpha + sum_p
     bias_acc = bias_acc * alpha + sum_pb
@@ -577,7 +570,7 @@ def _attn_kernel(
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (_meta_pairs), prefetched a tile ahead
-    META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (_load_meta_word), prefetched too
+    META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (_load_meta), prefetched too
     VMID_CHAIN: tl.constexpr,  # v_mid's load joins the value MMA operand's chain, so the pipeliner prefetches it
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
@@ -754,23 +747,17 @@ def _attn_kernel(
     if BT_NEXT:  # each tile's block-table entries loaded an iteration ahead: its code loads are direct
         tn = tl.arange(0, BLOCK_N)
         blk_n = tl.load(bt_row + (head_end + tn) // T, mask=head_end + tn < body_end, other=0)
-        for t0 in range(head_end, body_end, BLOCK_N):
+    for t0 in range(head_end, body_end, BLOCK_N):
+        blk_c = None  # _pool_tile loads them
+        if BT_NEXT:
             blk_c = blk_n
             blk_n = tl.load(bt_row + (t0 + BLOCK_N + tn) // T, mask=t0 + BLOCK_N + tn < body_end, other=0)
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
-                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
-                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
-    else:
-        for t0 in range(head_end, body_end, BLOCK_N):
-            m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
-                t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-                bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
-                vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-                HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
-                PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
+        m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
+            t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
+            bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+            vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+            PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
