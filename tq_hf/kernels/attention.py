@@ -199,6 +199,12 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
 
 
 @triton.jit
+def _gather_cols(table, codes):
+    """Centroids of a code tile [K, N] (table: [N, NC] fp16, by stored code) as [K, N] fp16."""
+    return tl.trans(tl.gather(table, tl.trans(codes.to(tl.int32)), 1))
+
+
+@triton.jit
 def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) without reading R: the first
     butterfly of H_D folds the signed query's halves (u = a + b, v = a - b), then H_{D/2} (hadamard_dot).
@@ -393,9 +399,15 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             ww = tl.arange(0, D // 4)
             kw = tl.load((pool_ptr + (plane[None, :] + off[None, :] * KB)).to(tl.pointer_type(tl.uint16)) + ww[:, None],
                          mask=tok_ok[None, :] & (ww[:, None] < D // 4), other=0)
-            k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT_LO, LUT_WORDS_CONSTRAINTS, [kw],
-                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                       is_pure=True, pack=2)
+            if KEY_LUT:
+                k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT_LO, LUT_WORDS_CONSTRAINTS, [kw],
+                                                           dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                           is_pure=True, pack=2)
+            else:  # no PTX (the interpreter): the same coordinate sets by gathers from the centroid table
+                k0 = _gather_cols(table, kw & 15)
+                k1 = _gather_cols(table, (kw >> 8) & 15)
+                k2 = _gather_cols(table, (kw >> 4) & 15)
+                k3 = _gather_cols(table, kw >> 12)
             s = tl.dot(qp[0], k0)
             s = tl.dot(qp[1], k1, s)
             s = tl.dot(qp[2], k2, s)
@@ -1303,7 +1315,15 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
     if pool32 and pool.numel() >= 2**31:
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
-    key_words = bool(tuning.get("key_words", False)) and words is not None
+    # 4-bit codebook keys as 16-bit code words, two of a token per MMA operand register (key_lut.lut_words_asm):
+    # the query's operand then loads by ldmatrix, no register moves (sm_90a, B=16 S=32k: 1014 -> 892 instructions
+    # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1): B=16 0.2570 -> 0.2429 ms, 128k 1.004 ->
+    # 0.954; B=1 0.0336 -> 0.0338, B=4 0.0768 -> 0.0763
+    key_words = bool(tuning.get("key_words", words is not None))
+    if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
+        raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
+                         f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
+                         f"keys, head_dim {d}")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
@@ -1350,7 +1370,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words,
         LUT_LO=(lut_words_asm(words) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
-        LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
+        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
