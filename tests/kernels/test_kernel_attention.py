@@ -465,7 +465,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
-    key_words = lookup and preset == "4bit"
+    key_words = lookup and preset == "4bit" and batch >= 16  # where the batch fills the GPU (measured there)
     assert seen["KEY_WORDS"] == key_words, seen
     if key_words:
         assert "prmt.b32 c, $4, $4, 0x3120" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
@@ -493,6 +493,15 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           key_offset=torch.zeros(batch, 8, head_dim))
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
+        assert seen["KEY_WORDS"] == key_words, seen
+        seen.clear()
+    if key_words:  # with the exact prefix the code words measured no gain (gpu_checks/session14/call2): the bytes
+        pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
+        pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
+        pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
+        unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          prefix_keys=pk, prefix_values=pk)
+        assert seen["KEY_WORDS"] is False and seen["KEY_LUT"] is True, seen
         seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False

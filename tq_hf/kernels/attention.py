@@ -12,8 +12,10 @@ visible to every row of the program skip every mask. Per tile the kernel only un
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; elsewhere the centroids are
-gathered. Values use P.V = (P * value_scale) . code + P . bias with
+layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
+16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
+the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
+ldmatrix); elsewhere the centroids are gathered. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -1317,9 +1319,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
     # 4-bit codebook keys as 16-bit code words, two of a token per MMA operand register (key_lut.lut_words_asm):
     # the query's operand then loads by ldmatrix, no register moves (sm_90a, B=16 S=32k: 1014 -> 892 instructions
-    # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1): B=16 0.2570 -> 0.2429 ms, 128k 1.004 ->
-    # 0.954; B=1 0.0336 -> 0.0338, B=4 0.0768 -> 0.0763
-    key_words = bool(tuning.get("key_words", words is not None))
+    # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1, call2): B=16 0.2569 -> 0.2428 ms, with
+    # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
+    # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
+    # -> 0.0763
+    key_words = bool(tuning.get("key_words", words is not None and batch_fills_gpu and not (prefix_len or recent_size)))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
