@@ -464,7 +464,13 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
-    assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
+    # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
+    key_words = lookup and preset == "4bit" and batch >= 16  # where the batch fills the GPU (measured there)
+    assert seen["KEY_WORDS"] == key_words, seen
+    if key_words:
+        assert "prmt.b32 c, $4, $4, 0x3120" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
+    else:
+        assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
     three = preset in ("k3v4", "3bit")
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
     assert seen["VALUE_PLANES"] == (preset == "3bit" and head_dim == 128), seen
@@ -487,6 +493,15 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           key_offset=torch.zeros(batch, 8, head_dim))
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
+        assert seen["KEY_WORDS"] == key_words, seen
+        seen.clear()
+    if key_words:  # with the exact prefix the code words measured no gain (gpu_checks/session14/call2): the bytes
+        pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
+        pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
+        pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
+        unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          prefix_keys=pk, prefix_values=pk)
+        assert seen["KEY_WORDS"] is False and seen["KEY_LUT"] is True, seen
         seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
@@ -802,6 +817,31 @@ def test_meta_pairs_decode(block_size, options, meta):
     if options:
         _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
                num_splits=3, tuning=tuning, **kw)
+
+
+# 4-bit keys as 16-bit code words, 4 dots over coordinate sets (a GPU's lookup layout; gathered here): odd kv_start,
+# splits, windows, GQA 4 and 3, the format options with the exact prefix and ring, both metadata loads
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("options", [False, True])
+def test_key_words_decode(head_dim, options):
+    layout = make_layout("4bit", 2, head_dim, 16, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
+    tuning = {"key_words": True, "meta_words": options}
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
+    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
+    if options:
+        _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
+               num_splits=3, tuning=tuning, **kw)
+
+
+def test_key_words_refuses_what_it_cannot_decode():
+    for preset, head_dim, q_len in (("k8v4", 64, 1), ("k3v4", 64, 1), ("4bit", 96, 1), ("4bit", 64, 80)):
+        layout = make_layout(preset, 2, head_dim)
+        pool, table = fill_cache(layout, [40], DEVICE)
+        q = torch.randn(1, 2, q_len, head_dim, device=DEVICE)
+        with pytest.raises(ValueError, match="key_words=True needs decode"):
+            unified_attention(q, pool, layout, table, torch.tensor([40 + q_len], device=DEVICE), 0.1,
+                              tuning={"key_words": True})
 
 
 # what a GPU's decode at head_dim 128 takes: the pair words, v_mid prefetched, block-table entries an iteration

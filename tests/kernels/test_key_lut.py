@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tq_hf.config import TurboQuantConfig
-from tq_hf.kernels.key_lut import (CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm,
-                                   lut3_words, lut_asm, lut_words)
+from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm,
+                                   lut3_words, lut_asm, lut_words, lut_words_asm)
 from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
@@ -112,3 +112,24 @@ def test_3bit_tables_take_any_8_finite_centroids():
     assert lut3_words(torch.tensor([float("inf")] + [0.0] * 7)) is None
     assert config_lut3_words(TurboQuantConfig.from_preset("4bit"), 128) is None
     assert config_lut3_words(TurboQuantConfig.from_preset("k8v4"), 128) is None
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_code_word_pair_becomes_its_four_centroid_pairs(head_dim):
+    """The word asm (two 16-bit code words of a token per register): every byte value in every position
+    (and random words) -> bit-exact fp16 pairs (b0.lo, b2.lo), (b1.lo, b3.lo), (b0.hi, b2.hi), (b1.hi, b3.hi)."""
+    cfg = TurboQuantConfig.from_preset("4bit", rotation="random")
+    words = config_lut_words(cfg, head_dim)
+    assert WORDS_CONSTRAINTS == "=r,=r,=r,=r,r"
+    want = _fp16_bits(key_codec(cfg, head_dim, "cpu").code_centroids)
+    gen = torch.Generator().manual_seed(head_dim + 1)
+    cases = [[v, (v * 7 + 3) % 256, (v * 13 + 5) % 256, (v * 29 + 11) % 256] for v in range(256)]
+    cases += [c[1:] + c[:1] for c in cases] + torch.randint(0, 256, (64, 4), generator=gen).tolist()
+    asm = lut_words_asm(words)
+    for b in cases:
+        word = sum(v << (8 * i) for i, v in enumerate(b))
+        out = run(asm, {4: word})
+        got = [h for n in range(4) for h in _halves(out[n])]
+        expect = [want[b[0] & 15], want[b[2] & 15], want[b[1] & 15], want[b[3] & 15],
+                  want[b[0] >> 4], want[b[2] >> 4], want[b[1] >> 4], want[b[3] >> 4]]
+        assert got == expect, f"head_dim {head_dim}, code bytes {b}: got {got}, want {expect}"

@@ -12,8 +12,10 @@ visible to every row of the program skip every mask. Per tile the kernel only un
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; elsewhere the centroids are
-gathered. Values use P.V = (P * value_scale) . code + P . bias with
+layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
+16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
+the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
+ldmatrix); elsewhere the centroids are gathered. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -70,13 +72,14 @@ from ._common import (
     tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
 )
-from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm, lut_asm
+from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm, lut_asm, lut_words_asm
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, value_key
 from .reduce import reduce_site
 
 LOG2E = 1.4426950408889634
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
+LUT_WORDS_CONSTRAINTS = tl.constexpr(_LUT_WORDS_CONSTRAINTS)
 VALUE_NIBBLES_ASM = tl.constexpr(_VALUE_NIBBLES_ASM)
 VALUE_NIBBLES_CONSTRAINTS = tl.constexpr(_VALUE_NIBBLES_CONSTRAINTS)
 VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
@@ -195,6 +198,12 @@ def _gather_dots(s, q_lo, q_hi, codes, table):
     """_lookup_dots by gathers from the centroid table [N, 8]; codes [N, rows]."""
     s = tl.dot(q_lo, tl.trans(tl.gather(table, (codes & 7).to(tl.int32), 1)), s)
     return tl.dot(q_hi, tl.trans(tl.gather(table, (codes >> 4).to(tl.int32) & 7, 1)), s)
+
+
+@triton.jit
+def _gather_cols(table, codes):
+    """Centroids of a code tile [K, N] (table: [N, NC] fp16, by stored code) as [K, N] fp16."""
+    return tl.trans(tl.gather(table, tl.trans(codes.to(tl.int32)), 1))
 
 
 @triton.jit
@@ -365,7 +374,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
-               VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
+               KEY_WORDS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
                MASKED: tl.constexpr):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
@@ -388,7 +397,24 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
 
     # scores
     if KEY_BITS == 4:
-        if KEY_LUT:  # codes loaded as [D/2, N], the MMA's B operand: decoded in its layout, no transpose
+        if KEY_WORDS:  # 16-bit code words [D/4, N]: 4 dots over the coordinate sets of key_lut's word asm
+            ww = tl.arange(0, D // 4)
+            kw = tl.load((pool_ptr + (plane[None, :] + off[None, :] * KB)).to(tl.pointer_type(tl.uint16)) + ww[:, None],
+                         mask=tok_ok[None, :] & (ww[:, None] < D // 4), other=0)
+            if KEY_LUT:
+                k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT_LO, LUT_WORDS_CONSTRAINTS, [kw],
+                                                           dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                           is_pure=True, pack=2)
+            else:  # no PTX (the interpreter): the same coordinate sets by gathers from the centroid table
+                k0 = _gather_cols(table, kw & 15)
+                k1 = _gather_cols(table, (kw >> 8) & 15)
+                k2 = _gather_cols(table, (kw >> 4) & 15)
+                k3 = _gather_cols(table, kw >> 12)
+            s = tl.dot(qp[0], k0)
+            s = tl.dot(qp[1], k1, s)
+            s = tl.dot(qp[2], k2, s)
+            s = tl.dot(qp[3], k3, s)
+        elif KEY_LUT:  # codes loaded as [D/2, N], the MMA's B operand: decoded in its layout, no transpose
             kbt = tl.load(pool_ptr + (plane[None, :] + off[None, :] * KB + hc[:, None]), mask=tok_ok[None, :] & (hc[:, None] < D // 2), other=0)
             kt_lo = tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
             kt_hi = tl.inline_asm_elementwise(LUT_HI, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
@@ -566,6 +592,7 @@ def _attn_kernel(
     RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
+    KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
@@ -657,6 +684,10 @@ def _attn_kernel(
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
+        if KEY_WORDS:  # coordinates 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1 of word w
+            q0, q1 = tl.split(tl.reshape(q_lo, (BLOCK_M, DHP // 2, 2)))
+            q2, q3 = tl.split(tl.reshape(q_hi, (BLOCK_M, DHP // 2, 2)))
+            qp = (q0, q1, q2, q3)
     elif KEY_BITS == 3 and KEY_PLANES:
         # the rotated query's coordinates of each key tile's rows (_pool_tile), 0 for the rows that hold no code:
         # D = 128, six 32-row windows of the 16-byte planes; D = 256, the 8 code planes (coordinates c * 32 + j)
@@ -756,7 +787,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
             vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES,
             PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
@@ -764,7 +795,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------
@@ -1286,6 +1317,17 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
     if pool32 and pool.numel() >= 2**31:
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
+    # 4-bit codebook keys as 16-bit code words, two of a token per MMA operand register (key_lut.lut_words_asm):
+    # the query's operand then loads by ldmatrix, no register moves (sm_90a, B=16 S=32k: 1014 -> 892 instructions
+    # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1, call2): B=16 0.2569 -> 0.2428 ms, with
+    # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
+    # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
+    # -> 0.0763
+    key_words = bool(tuning.get("key_words", words is not None and batch_fills_gpu and not (prefix_len or recent_size)))
+    if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
+        raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
+                         f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
+                         f"keys, head_dim {d}")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
@@ -1330,8 +1372,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
-        LUT_LO=lut_asm(words, False) if words else (lut3_asm(words3, False) if words3 else ""),
-        LUT_HI=lut_asm(words, True) if words else (lut3_asm(words3, True) if words3 else ""),
+        KEY_WORDS=key_words,
+        LUT_LO=(lut_words_asm(words) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
+        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
         num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -68,7 +68,34 @@ _BODY = _HEAD + _LOOKUP + _SIGN + _INTERLEAVE
 #          msb by the shift) into 0xFF/0x00 per byte; its bit 7 becomes the fp16 sign bit in the high byte
 #   $0/$1: interleave (low byte, high byte) of the wanted nibbles into two fp16x2 words
 
-CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
+CONSTRAINTS = "=r,=r,r"
+
+# 16-bit code words (bytes 2w, 2w + 1 of a token: coordinates 2w, 2w + 1 in the low nibbles, D/2 + 2w, D/2 + 2w + 1
+# in the high ones), two words of one token per register ($4: bytes b0 b1 b2 b3 = words w, w + 1), so the key tile
+# is the MMA's B operand with two K rows per register like the value words (kWidth 2: the query's A operand by
+# ldmatrix). Outputs: $0 = (b0.lo, b2.lo), $1 = (b1.lo, b3.lo), $2 = (b0.hi, b2.hi), $3 = (b1.hi, b3.hi) as fp16x2:
+# the bytes are first reordered (b0, b2, b1, b3) so the 4-bit lookup's interleave yields them.
+_WORDS_BODY = """{
+.reg .b32 c, idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
+mov.b32 l0, %(l0)d;
+mov.b32 l1, %(l1)d;
+mov.b32 h0, %(h0)d;
+mov.b32 h1, %(h1)d;
+prmt.b32 c, $4, $4, 0x3120;
+and.b32 idx, c, 0x77777777;
+""" + _LOOKUP + _SIGN.replace("$2", "c") + """prmt.b32 $0, la, ha, 0x6240;
+prmt.b32 $1, lb, hb, 0x6240;
+prmt.b32 $2, la, ha, 0x7351;
+prmt.b32 $3, lb, hb, 0x7351;
+}"""
+WORDS_CONSTRAINTS = "=r,=r,=r,=r,r"
+
+
+@functools.lru_cache(maxsize=None)
+def lut_words_asm(words: tuple[int, int, int, int]) -> str:
+    """The asm decoding 2 code words of a token into 4 fp16x2 (WORDS_CONSTRAINTS)."""
+    l0, l1, h0, h1 = words
+    return _WORDS_BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1)  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
 
 
 @functools.lru_cache(maxsize=None)
