@@ -15,7 +15,10 @@ permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MM
 layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
-ldmatrix); elsewhere the centroids are gathered. Values use P.V = (P * value_scale) . code + P . bias with
+ldmatrix); elsewhere the centroids are gathered. From 4 sequences of 8 KV heads a program takes two
+KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
+only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
+trip through shared memory serve both heads. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -1250,6 +1253,16 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
+    # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
+    # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
+    # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.
+    # H200, S=32k plain 4bit, in 168 registers, alternated twice (gpu_checks/session14/call4): B=16 0.2437 -> 0.2320
+    # ms, S=128k 0.949 -> 0.880, B=8 0.1359 -> 0.1237, B=4 0.0763 -> 0.0694 (from 2-warp programs); in 128
+    # registers (spills) B=16 0.2861, with 2 pipeline stages 0.2635 (call3). B=1-2 unmeasured, so not there
+    pairs = bool(words) and d == 128 and on_gpu and plain_format and hk % 2 == 0 and rows <= 8 and b * hk >= 32
+    hp = tuning.get("head_pairs", 2 if pairs else 1)
+    if hp not in (1, 2):
+        raise ValueError(f"tuning head_pairs must be 1 or 2, got {hp!r}")
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
@@ -1257,7 +1270,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # with exact prefix/ring buffers 128-token tiles also at small batch (H200, B=1 S=32k, all
             # levers: 0.053 vs 0.061 ms and 0.056 vs 0.062 in two runs; plain keeps 256: 0.040 vs 0.046)
             block_n = 128
-        if words and d == 128 and batch_fills_gpu:
+        if hp == 2 and words:
+            block_n, maxnreg = 128, 168
+        elif words and d == 128 and batch_fills_gpu:
             # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
@@ -1313,7 +1328,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # 0.0983 -> 0.0916; at B=16 the pairs' address arithmetic costs more than their latency hides: 0.307 ->
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
     # eval/results/gpu_checks/session6/README.md)
-    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
+    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu and hp == 1))
     # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched by the pipeliner):
     # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
@@ -1354,17 +1369,19 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
     # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
     # -> 0.0763
-    key_words = bool(tuning.get("key_words", words is not None and batch_fills_gpu and not (prefix_len or recent_size)))
+    key_words = bool(tuning.get("key_words", words is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
+                                                                                                         or recent_size)))))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
-    # two KV heads per program: their query rows share the MMA tile's rows (each head's rows padded to block_m/2)
-    hp = int(tuning.get("head_pairs", 1))
     if hp == 2 and not (key_words and value_words and plain_format and decode and rows <= block_m // 2 and hk % 2 == 0
                         and not meta_pairs):
-        raise ValueError("tuning head_pairs=2 needs decode with 4-bit key and value words, the plain format, an even "
-                         f"number of KV heads and <= {block_m // 2} rows per head")
+        raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head) with 4-bit key and value words "
+                         "(key_words, value_words), without meta_pairs, in the plain format (no key_centering, "
+                         "value_rotation, exact prefix or ring) and an even number of KV heads; got "
+                         f"{rows} rows, key_words={key_words}, value_words={value_words}, meta_pairs={meta_pairs}, "
+                         f"plain format {plain_format}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
