@@ -417,8 +417,9 @@ def _capture_gpu_launch(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("preset,batch,splits", [
-    ("4bit", 1, 32), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two
-    ("4bit", 2, 32), ("4bit", 4, 16), ("4bit", 8, 8),  # mid batch: 2-warp programs, 6 waves (was 16 / 8 / 4)
+    ("4bit", 1, 32), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two (B=16: of 64 head pairs)
+    ("4bit", 2, 32),  # mid batch: 2-warp programs, 6 waves (was 16)
+    ("4bit", 4, 16), ("4bit", 8, 8),  # two KV heads per program: 3 waves of half the programs
     ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
 ])
 def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
@@ -429,8 +430,9 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     q = torch.randn(batch, 32, 1, 128, dtype=torch.float16)
     unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
                       max_seq_len=32768)
-    assert seen["GRID"] == (splits, 8, batch) and seen["SPLIT"]
-    assert seen["num_warps"] == (2 if preset == "4bit" and 2 <= batch <= 8 else 4)
+    pairs = preset == "4bit" and batch >= 4
+    assert seen["GRID"] == (splits, 4 if pairs else 8, batch) and seen["SPLIT"]
+    assert seen["num_warps"] == (2 if preset == "4bit" and batch == 2 else 4)
     if preset == "4bit" and batch == 4:  # measured slower with the levers: the rule before (3 waves, 4 warps)
         seen.clear()
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
@@ -440,8 +442,9 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
-    ("4bit", 16, 1, True, 128, 128),  # 16 x 8 KV heads nearly fill 132 SMs: short tiles, 4 programs per SM
-    ("4bit", 4, 1, True, 128, None),  # mid batch: 2-warp programs on 128-token tiles (decode_variants/warps_session8)
+    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program from 4 x 8 KV heads: 168 registers (session14)
+    ("4bit", 4, 1, True, 128, 168),
+    ("4bit", 2, 1, True, 128, None),  # mid batch: 2-warp programs on 128-token tiles (decode_variants/warps_session8)
     ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
@@ -463,9 +466,12 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         lookup, maxnreg = False, None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
-    assert seen["num_warps"] == (2 if lookup and batch == 4 else 4), seen
+    # two KV heads per program: 4-bit lookup decode of the plain format from 4 sequences of 8 KV heads
+    head_pairs = lookup and preset == "4bit" and batch >= 4
+    assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
+    assert seen["num_warps"] == (2 if lookup and batch == 2 and preset == "4bit" else 4), seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
-    key_words = lookup and preset == "4bit" and batch >= 16  # where the batch fills the GPU (measured there)
+    key_words = head_pairs or (lookup and preset == "4bit" and batch >= 16)  # measured there
     assert seen["KEY_WORDS"] == key_words, seen
     if key_words:
         assert "prmt.b32 c, $4, $4, 0x3120" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
@@ -479,7 +485,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     planes = preset == "3bit" and head_dim == 128  # 3-bit value planes: decoded by their own asm
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words or planes), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
-    pairs = lookup and head_dim == 128 and batch < 16 and not three
+    pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
     # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
     # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
     meta_words = not pairs and q_len == 1 and head_dim == 128
@@ -487,21 +493,22 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
-    if meta_words:  # with centering + value rotation (the cache's defaults) no block-table prefetch: 2 stages
+    if meta_words and (batch >= 16 or not head_pairs):  # with centering + value rotation (the cache's defaults) no
+        # block-table prefetch: 2 stages (at B=4 the 4-bit lookup then reads token pairs)
         opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
         unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           key_offset=torch.zeros(batch, 8, head_dim))
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
-        assert seen["KEY_WORDS"] == key_words, seen
+        assert seen["KEY_WORDS"] == (lookup and preset == "4bit" and batch >= 16) and seen["HP"] == 1, seen
         seen.clear()
-    if key_words:  # with the exact prefix the code words measured no gain (gpu_checks/session14/call2): the bytes
+    if key_words and batch >= 16:  # with the exact prefix the code words measured no gain (gpu_checks/session14/call2): the bytes
         pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
         unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           prefix_keys=pk, prefix_values=pk)
-        assert seen["KEY_WORDS"] is False and seen["KEY_LUT"] is True, seen
+        assert seen["KEY_WORDS"] is False and seen["KEY_LUT"] is True and seen["HP"] == 1, seen
         seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
@@ -511,7 +518,8 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
 @pytest.mark.parametrize("batch", [16, 1])
 def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles at any
-    batch (at B=1 without them 256), the 128-register cap only when the batch fills the GPU."""
+    batch (at B=1 without them 256), the 128-register cap only when the batch fills the GPU (without
+    them two KV heads per program in 168)."""
     seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("4bit", 8, 128)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -523,7 +531,9 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
                       max_seq_len=32768, **kw)
     block_n = 128 if exact or batch == 16 else 256
-    assert (seen["BLOCK_N"], seen.get("maxnreg")) == (block_n, 128 if batch == 16 else None), seen
+    # the plain format at B=16: two KV heads per program in 168 registers
+    maxnreg = (168 if exact is None else 128) if batch == 16 else None
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (block_n, maxnreg, 2 if maxnreg == 168 else 1), seen
 
 
 def test_gpu_value_planes_in_64_row_tiles(monkeypatch):
@@ -832,6 +842,37 @@ def test_key_words_decode(head_dim, options):
     if options:
         _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
                num_splits=3, tuning=tuning, **kw)
+
+
+# two KV heads per program (head_pairs=2, a GPU's default from 4 x 8 KV heads): their query rows in one tile, masked
+# and causal tiles, splits, windows, sinks, Lq 2, 2 and 4 KV heads, both metadata loads
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("meta_words", [False, True])
+def test_head_pairs_decode(head_dim, meta_words):
+    layout = make_layout("4bit", 2, head_dim, 16)
+    tuning = {"key_words": True, "head_pairs": 2} | ({"meta_words": True, "vmid_chain": True, "bt_next": True}
+                                                     if meta_words else {})
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, softcap=5.0)
+    _check(layout, [71, 34], 1, 4, tuning=tuning)
+    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
+    _check(layout, [50], 1, 8, num_splits=2, tuning=tuning, sinks=torch.randn(16, device=DEVICE))
+    _check(make_layout("4bit", 4, head_dim, 16), [71, 34], 1, 2, num_splits=3, tuning=tuning)
+
+
+def test_head_pairs_refuses_what_it_cannot_pair():
+    q = torch.randn(1, 6, 1, 64, device=DEVICE)
+    for layout, kw in ((make_layout("4bit", 3, 64), {}), (make_layout("k8v4", 2, 64), {}),
+                       (make_layout("4bit", 2, 64, key_centering=True, value_rotation=True),
+                        {"key_offset": torch.zeros(2, 64, device=DEVICE)})):
+        pool, table = fill_cache(layout, [40], DEVICE, key_offset=kw.get("key_offset"))
+        qh = q[:, : layout.num_kv_heads * 2]
+        with pytest.raises(ValueError, match="head_pairs=2 needs decode"):
+            unified_attention(qh, pool, layout, table, torch.tensor([41], device=DEVICE), 0.1,
+                              tuning={"head_pairs": 2, "key_words": layout.config.key_bits == 4}, **kw)
+    with pytest.raises(ValueError, match="head_pairs must be 1 or 2"):
+        layout = make_layout("4bit", 2, 64)
+        pool, table = fill_cache(layout, [40], DEVICE)
+        unified_attention(q[:, :4], pool, layout, table, torch.tensor([41], device=DEVICE), 0.1, tuning={"head_pairs": 4})
 
 
 def test_key_words_refuses_what_it_cannot_decode():

@@ -15,7 +15,10 @@ permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MM
 layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
-ldmatrix); elsewhere the centroids are gathered. Values use P.V = (P * value_scale) . code + P . bias with
+ldmatrix); elsewhere the centroids are gathered. From 4 sequences of 8 KV heads a program takes two
+KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
+only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
+trip through shared memory serve both heads. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -367,8 +370,8 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
 
 @triton.jit
 def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-               bt_row, blk_pre, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu,
-               hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr,
+               bt_row, blk_pre, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale,
+               row_off, q_mu, hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr, HP: tl.constexpr,
                D: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                META: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -399,21 +402,23 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if KEY_BITS == 4:
         if KEY_WORDS:  # 16-bit code words [D/4, N]: 4 dots over the coordinate sets of key_lut's word asm
             ww = tl.arange(0, D // 4)
-            kw = tl.load((pool_ptr + (plane[None, :] + off[None, :] * KB)).to(tl.pointer_type(tl.uint16)) + ww[:, None],
-                         mask=tok_ok[None, :] & (ww[:, None] < D // 4), other=0)
-            if KEY_LUT:
-                k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT_LO, LUT_WORDS_CONSTRAINTS, [kw],
-                                                           dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-                                                           is_pure=True, pack=2)
-            else:  # no PTX (the interpreter): the same coordinate sets by gathers from the centroid table
-                k0 = _gather_cols(table, kw & 15)
-                k1 = _gather_cols(table, (kw >> 8) & 15)
-                k2 = _gather_cols(table, (kw >> 4) & 15)
-                k3 = _gather_cols(table, kw >> 12)
-            s = tl.dot(qp[0], k0)
-            s = tl.dot(qp[1], k1, s)
-            s = tl.dot(qp[2], k2, s)
-            s = tl.dot(qp[3], k3, s)
+            s = None
+            for j in tl.static_range(HP):  # HP KV heads: each dot's query rows are zero outside head j's rows
+                kw = tl.load((pool_ptr + (plane[None, :] + j * plane_bytes + off[None, :] * KB)).to(tl.pointer_type(tl.uint16))
+                             + ww[:, None], mask=tok_ok[None, :] & (ww[:, None] < D // 4), other=0)
+                if KEY_LUT:
+                    k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT_LO, LUT_WORDS_CONSTRAINTS, [kw],
+                                                               dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                               is_pure=True, pack=2)
+                else:  # no PTX (the interpreter): the same coordinate sets by gathers from the centroid table
+                    k0 = _gather_cols(table, kw & 15)
+                    k1 = _gather_cols(table, (kw >> 8) & 15)
+                    k2 = _gather_cols(table, (kw >> 4) & 15)
+                    k3 = _gather_cols(table, kw >> 12)
+                s = tl.dot(qp[4 * j], k0, s)
+                s = tl.dot(qp[4 * j + 1], k1, s)
+                s = tl.dot(qp[4 * j + 2], k2, s)
+                s = tl.dot(qp[4 * j + 3], k3, s)
         elif KEY_LUT:  # codes loaded as [D/2, N], the MMA's B operand: decoded in its layout, no transpose
             kbt = tl.load(pool_ptr + (plane[None, :] + off[None, :] * KB + hc[:, None]), mask=tok_ok[None, :] & (hc[:, None] < D // 2), other=0)
             kt_lo = tl.inline_asm_elementwise(LUT_LO, LUT_CONSTRAINTS, [kbt], dtype=tl.float16, is_pure=True, pack=4)
@@ -483,8 +488,12 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
+        k_scale = k_scale[None, :]
+    elif HP == 2:
+        k_scale = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)[None, :],
+                           _load_meta(pool_ptr, plane + plane_bytes, 0, off, T, META, tok_ok, META_WORDS)[None, :])
     else:
-        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
+        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)[None, :]
     if MASKED:
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -494,40 +503,54 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if not HAS_SOFTCAP:
         # log2 logits = row_scale * (s * k_scale) + q_mu: the per-row factor and offset enter the
         # row max and the exp2's FFMA instead of every score (H200, B=16 S=32k, all levers: 0.440 -> 0.425 ms)
-        x = tl.where(vis, s * k_scale[None, :], -float("inf"))
+        x = tl.where(vis, s * k_scale, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1) * row_scale + row_off)
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(x * row_scale[:, None] + (row_off - m_use)[:, None])
         alpha = tl.exp2(m_i - m_use)
         m_i = m_new
     else:
-        s = s * row_scale[:, None] * k_scale[None, :]
+        s = s * row_scale[:, None] * k_scale
         if HAS_KEY_OFFSET:
             s = s + q_mu[:, None]
         s = _log2_logits(s, softcap, HAS_SOFTCAP)
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if not META_PAIRS:
-        v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)
-        v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)
-    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
+    if HP == 2:
+        v_scale = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)[None, :],
+                           _load_meta(pool_ptr, plane + plane_bytes, 1, off, T, META, tok_ok, META_WORDS)[None, :])
+        v_mid = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)[None, :],
+                         _load_meta(pool_ptr, plane + plane_bytes, 2, off, T, META, tok_ok, META_WORDS)[None, :])
+    else:
+        if not META_PAIRS:
+            v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)
+            v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)
+        v_scale = v_scale[None, :]
+        v_mid = v_mid[None, :]
+    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
     l_i = l_i * alpha + sum_p
     bias_acc = bias_acc * alpha + sum_pb
 
     # values
     if VMID_CHAIN:  # v_mid enters the MMA operand's chain (+ 0 * v_mid): Triton's pipeliner prefetches only such loads
-        ps = (p * (v_scale + 0.0 * v_mid)[None, :]).to(tl.float16)
+        ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)
     else:
-        ps = (p * v_scale[None, :]).to(tl.float16)
+        ps = (p * v_scale).to(tl.float16)
     if VALUE_BITS == 4 and VALUE_WORDS:
-        v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
-        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
-        v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
-        acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
+        acc0 = acc0 * alpha[:, None]
+        acc1 = acc1 * alpha[:, None]
+        acc2 = acc2 * alpha[:, None]
+        acc3 = acc3 * alpha[:, None]
+        for j in tl.static_range(HP):  # HP KV heads: P's rows outside head j's are zero in its dots
+            v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
+            vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+            v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
+            ps_j = ps if HP == 1 else tl.where(sub[:, None] == j, ps, 0.0)
+            acc0 = tl.dot(ps_j, v0, acc0)
+            acc1 = tl.dot(ps_j, v1, acc1)
+            acc2 = tl.dot(ps_j, v2, acc2)
+            acc3 = tl.dot(ps_j, v3, acc3)
     elif VALUE_BITS == 4:
         vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         acc0 = tl.dot(ps, _nibbles_to_f16(vb, False), acc0 * alpha[:, None])
@@ -602,6 +625,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
+    HP: tl.constexpr,  # KV heads per program: 2 puts two heads' query rows in one MMA tile (rows BLOCK_M/2 apart)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -611,15 +635,19 @@ def _attn_kernel(
     split = pid % ns_all
 
     # ---- rows of this program: (query i, group member g) pairs --------------------------------
-    r = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    qi = r // G
-    qg = r % G
+    RH: tl.constexpr = BLOCK_M // HP  # rows per KV head
+    lr = tl.arange(0, BLOCK_M)
+    sub = lr // RH  # which of the program's heads (a function of the register: selections by it fold)
+    rr = m_tile * RH + lr % RH  # the row within its head's rows (HP == 2: one row tile, m_tile 0)
+    qi = rr // G
+    qg = rr % G
     row_ok = qi < Lq
-    qhead = h * G + qg
+    hh = h * HP + sub  # the row's KV head
+    qhead = hh * G + qg
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
     qpos = seq_len - Lq + qi
-    i_first = (m_tile * BLOCK_M) // G
-    i_last = tl.minimum((m_tile * BLOCK_M + BLOCK_M - 1) // G, Lq - 1)
+    i_first = (m_tile * RH) // G
+    i_last = tl.minimum((m_tile * RH + RH - 1) // G, Lq - 1)
     kv_hi = tl.maximum(seq_len - Lq + i_last + 1, 0)
     kv_first = 0  # first real position
     if HAS_KV_START:
@@ -687,7 +715,13 @@ def _attn_kernel(
         if KEY_WORDS:  # coordinates 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1 of word w
             q0, q1 = tl.split(tl.reshape(q_lo, (BLOCK_M, DHP // 2, 2)))
             q2, q3 = tl.split(tl.reshape(q_hi, (BLOCK_M, DHP // 2, 2)))
-            qp = (q0, q1, q2, q3)
+            if HP == 1:
+                qp = (q0, q1, q2, q3)
+            else:  # head j's dots see only its rows
+                qp = ()
+                for j in tl.static_range(HP):
+                    sel = sub[:, None] == j
+                    qp = qp + (tl.where(sel, q0, 0.0), tl.where(sel, q1, 0.0), tl.where(sel, q2, 0.0), tl.where(sel, q3, 0.0))
     elif KEY_BITS == 3 and KEY_PLANES:
         # the rotated query's coordinates of each key tile's rows (_pool_tile), 0 for the rows that hold no code:
         # D = 128, six 32-row windows of the 16-byte planes; D = 256, the 8 code planes (coordinates c * 32 + j)
@@ -760,9 +794,9 @@ def _attn_kernel(
     pk_row = pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh
     pv_row = pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh
     if POOL32:  # the pool has < 2**31 bytes: addresses as int32 offsets from pool_ptr (fewer 64-bit ops per tile)
-        head_off = h * plane_bytes
+        head_off = h * HP * plane_bytes
     else:
-        head_off = h.to(tl.int64) * plane_bytes
+        head_off = (h * HP).to(tl.int64) * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk: whole tiles every row sees, without masks; then the masked ones: a first tile with
     # positions before the pool's first one (exact prefix, left padding) and the last tiles (the
@@ -785,16 +819,16 @@ def _attn_kernel(
             blk_n = tl.load(bt_row + (t0 + BLOCK_N + tn) // T, mask=t0 + BLOCK_N + tn < body_end, other=0)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, blk_c, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
-            vcol, HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            bt_row, blk_c, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
+            vcol, HALF, V_N, HP, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES,
             PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = _pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
-            bt_row, None, pool_ptr, block_bytes, head_off, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
-            HALF, V_N, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            bt_row, None, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
+            HALF, V_N, HP, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
@@ -830,7 +864,7 @@ def _attn_kernel(
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = bias_acc * inv_l
     if SPLIT:
-        prow = ((b * tl.num_programs(1) + h) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        prow = ((b * (tl.num_programs(1) * HP) + hh) * ns_all + split) * RH + rr  # per KV head: RH rows
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
         tl.store(plse_ptr + prow, lse)
         dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
@@ -1219,6 +1253,16 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
+    # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
+    # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
+    # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.
+    # H200, S=32k plain 4bit, in 168 registers, alternated twice (gpu_checks/session14/call4): B=16 0.2437 -> 0.2320
+    # ms, S=128k 0.949 -> 0.880, B=8 0.1359 -> 0.1237, B=4 0.0763 -> 0.0694 (from 2-warp programs); in 128
+    # registers (spills) B=16 0.2861, with 2 pipeline stages 0.2635 (call3). B=1-2 unmeasured, so not there
+    pairs = bool(words) and d == 128 and on_gpu and plain_format and hk % 2 == 0 and rows <= 8 and b * hk >= 32
+    hp = tuning.get("head_pairs", 2 if pairs else 1)
+    if hp not in (1, 2):
+        raise ValueError(f"tuning head_pairs must be 1 or 2, got {hp!r}")
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
@@ -1226,7 +1270,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # with exact prefix/ring buffers 128-token tiles also at small batch (H200, B=1 S=32k, all
             # levers: 0.053 vs 0.061 ms and 0.056 vs 0.062 in two runs; plain keeps 256: 0.040 vs 0.046)
             block_n = 128
-        if words and d == 128 and batch_fills_gpu:
+        if hp == 2 and words:
+            block_n, maxnreg = 128, 168
+        elif words and d == 128 and batch_fills_gpu:
             # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
@@ -1282,7 +1328,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # 0.0983 -> 0.0916; at B=16 the pairs' address arithmetic costs more than their latency hides: 0.307 ->
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
     # eval/results/gpu_checks/session6/README.md)
-    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu))
+    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu and hp == 1))
     # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched by the pipeliner):
     # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
@@ -1323,16 +1369,24 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
     # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
     # -> 0.0763
-    key_words = bool(tuning.get("key_words", words is not None and batch_fills_gpu and not (prefix_len or recent_size)))
+    key_words = bool(tuning.get("key_words", words is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
+                                                                                                         or recent_size)))))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
+    if hp == 2 and not (key_words and value_words and plain_format and decode and rows <= block_m // 2 and hk % 2 == 0
+                        and not meta_pairs):
+        raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head) with 4-bit key and value words "
+                         "(key_words, value_words), without meta_pairs, in the plain format (no key_centering, "
+                         "value_rotation, exact prefix or ring) and an even number of KV heads; got "
+                         f"{rows} rows, key_words={key_words}, value_words={value_words}, meta_pairs={meta_pairs}, "
+                         f"plain format {plain_format}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
     if num_splits is None:
-        programs = b * hk * m_tiles
+        programs = b * (hk // hp) * m_tiles
         # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split
         # a power of two splits the (power-of-two) tile counts evenly across splits. H200, k8v4 S=32k, 4 vs 8
         # waves: B=1 64 vs 128 splits 0.0375 vs 0.0402 ms, B=4 16 vs 32 0.0875 vs 0.0931, B=16 4 vs 8 0.2900
@@ -1355,7 +1409,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     ns_all = num_splits + exact_prog
 
     workspace_numel = 0
-    partial_rows = b * hk * ns_all * block_m
+    partial_rows = b * hk * ns_all * (block_m // hp)
     if split:
         workspace_numel = partial_rows * (dp + 1)
         if workspace is not None and (workspace.dtype != torch.float32 or workspace.device != pool.device
@@ -1377,13 +1431,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
-        num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        HP=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
-        layout=layout, grid=(m_tiles * ns_all, hk, b), constants=constants, block_n=block_n, num_stages=num_stages,
+        layout=layout, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=split, ns_all=ns_all, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
         rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len, recent_size=recent_size,
         scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
                  layout.block_bytes, layout.plane_bytes),
-        reduce=reduce_site(b, hk, g, lq, ns_all, block_m, d, dp) if split else None,
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp) if split else None,
     )
