@@ -619,13 +619,26 @@ def test_decode_32k_gpu(preset, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
-                                    {"block_n": 64, "maxnreg": 128}, {"pool32": False}])
+                                    {"block_n": 64, "maxnreg": 128}, {"pool32": False}, {"head_pairs": 1},
+                                    {"head_pairs": 1, "key_words": False, "maxnreg": 128}])
 def test_decode_key_lookup_variants_gpu(tuning):
-    """16 rows x 8 KV heads (the launcher's short-tile, 128-register branch) and the other variants
-    of 4-bit key decoding against the reference: the prmt lookup, the gather, tile lengths, int64 addresses."""
+    """16 sequences x 8 KV heads (the launcher's head pairs in 168 registers) and the other variants of 4-bit
+    key decoding against the reference: the code words' byte magnitudes, the byte-code lookup, the gather, tile
+    lengths, int64 addresses, one head per program."""
     layout = make_layout("4bit", 8, 128)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_pairs_gpu(q_len, dtype):
+    """Two KV heads per program at 4 sequences of 8 KV heads (the launcher's default there), 1 or 2 query
+    positions per head (4 or 8 rows of a head's 8), sinks, lengths apart by odd amounts."""
+    layout = make_layout("4bit", 8, 128)
+    _check(layout, [8192, 8192 - 77, 5001, 123], q_len, 4, dtype=dtype, device="cuda", max_seq_len=8192,
+           sinks=torch.randn(32, device="cuda"))
 
 
 @pytest.mark.gpu

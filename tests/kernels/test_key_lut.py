@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tq_hf.config import TurboQuantConfig
-from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm,
-                                   lut3_words, lut_asm, lut_words, lut_words_asm)
+from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words,
+                                   lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm)
 from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
@@ -114,22 +114,36 @@ def test_3bit_tables_take_any_8_finite_centroids():
     assert config_lut3_words(TurboQuantConfig.from_preset("k8v4"), 128) is None
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_every_code_word_pair_becomes_its_four_centroid_pairs(head_dim):
-    """The word asm (two 16-bit code words of a token per register): every byte value in every position
-    (and random words) -> bit-exact fp16 pairs (b0.lo, b2.lo), (b1.lo, b3.lo), (b0.hi, b2.hi), (b1.hi, b3.hi)."""
+    """The word asm (two 16-bit code words of a token per register): every byte value in every position (and
+    random words) -> fp16 subnormal pairs (b0.lo, b2.lo), (b1.lo, b3.lo), (b0.hi, b2.hi), (b1.hi, b3.hi) which,
+    times lut_bytes' unit, are the stored codes' centroids exactly (fp32)."""
     cfg = TurboQuantConfig.from_preset("4bit", rotation="random")
-    words = config_lut_words(cfg, head_dim)
+    table, unit = config_lut_bytes(cfg, head_dim)
     assert WORDS_CONSTRAINTS == "=r,=r,=r,=r,r"
-    want = _fp16_bits(key_codec(cfg, head_dim, "cpu").code_centroids)
+    want = key_codec(cfg, head_dim, "cpu").code_centroids  # by stored (sign-magnitude) code
     gen = torch.Generator().manual_seed(head_dim + 1)
     cases = [[v, (v * 7 + 3) % 256, (v * 13 + 5) % 256, (v * 29 + 11) % 256] for v in range(256)]
     cases += [c[1:] + c[:1] for c in cases] + torch.randint(0, 256, (64, 4), generator=gen).tolist()
-    asm = lut_words_asm(words)
+    asm = lut_words_asm(table)
     for b in cases:
-        word = sum(v << (8 * i) for i, v in enumerate(b))
-        out = run(asm, {4: word})
-        got = [h for n in range(4) for h in _halves(out[n])]
-        expect = [want[b[0] & 15], want[b[2] & 15], want[b[1] & 15], want[b[3] & 15],
-                  want[b[0] >> 4], want[b[2] >> 4], want[b[1] >> 4], want[b[3] >> 4]]
-        assert got == expect, f"head_dim {head_dim}, code bytes {b}: got {got}, want {expect}"
+        out = run(asm, {4: sum(v << (8 * i) for i, v in enumerate(b))})
+        halves = torch.tensor([h for n in range(4) for h in _halves(out[n])], dtype=torch.int32).to(torch.int16)
+        got = halves.view(torch.float16).float() * unit  # subnormal m * 2**-24, exact in fp32
+        codes = [b[0] & 15, b[2] & 15, b[1] & 15, b[3] & 15, b[0] >> 4, b[2] >> 4, b[1] >> 4, b[3] >> 4]
+        assert torch.equal(got, want[codes]), f"head_dim {head_dim}, code bytes {b}: got {got.tolist()}, want " \
+                                              f"{want[codes].tolist()}"
+
+
+def test_byte_magnitudes_need_the_grid():
+    """lut_bytes takes symmetric centroids whose magnitudes are whole multiples (1..255) of one step, else None."""
+    c = torch.linspace(-1.5, 1.5, 16)
+    assert lut_bytes(c) is None  # off the grid
+    step = c.abs().max() / 255
+    on = torch.round(c / step) * step
+    (m0, m1), unit = lut_bytes(on)
+    assert unit == float(step) * 2.0**24 and (m1 >> 24) & 0xFF == 255
+    skewed = on.clone()
+    skewed[0] = -on[0] + step
+    assert lut_bytes(skewed) is None

@@ -15,7 +15,9 @@ permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MM
 layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
-ldmatrix); elsewhere the centroids are gathered. From 4 sequences of 8 KV heads a program takes two
+ldmatrix; the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16
+subnormals with the sign bit set from the code, one 8-byte table, the scores scaled once by
+KEY_UNIT); elsewhere the centroids are gathered. From 4 sequences of 8 KV heads a program takes two
 KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
 only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
 trip through shared memory serve both heads. Values use P.V = (P * value_scale) . code + P . bias with
@@ -75,7 +77,7 @@ from ._common import (
     tuned_for_gpu as _tuned_for_gpu,
     value_rotation_tensor,
 )
-from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS, config_lut3_words, config_lut_words, lut3_asm, lut_asm, lut_words_asm
+from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut_asm, lut_words_asm
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, value_key
 from .reduce import reduce_site
@@ -616,6 +618,7 @@ def _attn_kernel(
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
+    KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
@@ -762,7 +765,7 @@ def _attn_kernel(
         qmax = tl.max(tl.abs(q_key), axis=1)
         qdiv = tl.where(qmax > 0, qmax, 1.0)[:, None]
         q16 = (q_key / qdiv).to(tl.float16)
-    row_scale = tl.where(qmax > 0, qmax, 1.0) * sm_scale
+    row_scale = tl.where(qmax > 0, qmax, 1.0) * (sm_scale * KEY_UNIT)  # KEY_UNIT: the code words' byte magnitudes
     row_off = 0.0  # added to every compressed-walk logit (no softcap): q . mu in log2 units
     if not HAS_SOFTCAP:  # the compressed walk's logits come out in log2 units directly
         row_scale = row_scale * 1.4426950408889634
@@ -1363,15 +1366,20 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
     if pool32 and pool.numel() >= 2**31:
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
+    # the byte magnitudes (reference.on_byte_grid) halve the word asm's lookups: offline sm_90a 1,504 -> 1,310
+    # instructions per tile of two heads; H200 S=32k 32/8/128 4bit, trees alternated twice (gpu_checks/session14/
+    # call5): B=16 0.2313 -> 0.2138 ms, 128k 0.882 -> 0.807, B=8 0.1251 -> 0.1161, B=4 0.0698 -> 0.0654.
     # 4-bit codebook keys as 16-bit code words, two of a token per MMA operand register (key_lut.lut_words_asm):
     # the query's operand then loads by ldmatrix, no register moves (sm_90a, B=16 S=32k: 1014 -> 892 instructions
     # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1, call2): B=16 0.2569 -> 0.2428 ms, with
     # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
     # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
     # -> 0.0763
-    key_words = bool(tuning.get("key_words", words is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
+    kbytes = config_lut_bytes(cfg, d) if words else None  # the word asm's magnitude bytes (reference.on_byte_grid)
+    key_words = bool(tuning.get("key_words", kbytes is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
                                                                                                          or recent_size)))))
-    if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)):
+    if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)
+                          and (kbytes is not None or words is None)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
@@ -1426,8 +1434,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
-        KEY_WORDS=key_words,
-        LUT_LO=(lut_words_asm(words) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
+        KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
+        LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,

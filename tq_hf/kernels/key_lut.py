@@ -17,6 +17,13 @@ bytes of the fp16 magnitudes make two 8-byte tables, which one `prmt` indexes wi
 (its selector nibbles are the codes' ranks, code & 7).
 The tables are immediates in the asm text (unary asm takes no table operands): one compiled
 kernel variant per codebook, i.e. per head_dim.
+
+The code-word asm (lut_words_asm, two 16-bit code words of a token per register) reads the magnitudes
+as bytes: the 4-bit key codec puts its centroids on a grid of 1/255 of the largest magnitude
+(reference.on_byte_grid), so a magnitude byte m is the fp16 subnormal m * 2**-24 and the code's sign
+its high byte; one 8-byte table instead of two, and the kernel scales the scores by the grid step
+* 2**24 once (lut_bytes). PRMT takes one table word as an immediate and the other from a register,
+which ptxas copies from a uniform register before each use: halving the lookups halves those too.
 """
 
 from __future__ import annotations
@@ -75,27 +82,64 @@ CONSTRAINTS = "=r,=r,r"
 # is the MMA's B operand with two K rows per register like the value words (kWidth 2: the query's A operand by
 # ldmatrix). Outputs: $0 = (b0.lo, b2.lo), $1 = (b1.lo, b3.lo), $2 = (b0.hi, b2.hi), $3 = (b1.hi, b3.hi) as fp16x2:
 # the bytes are first reordered (b0, b2, b1, b3) so the 4-bit lookup's interleave yields them.
+# The magnitudes are bytes m (reference.on_byte_grid): each output half is the fp16 subnormal m * 2**-24 with the
+# code's sign bit, so one table (8 bytes) serves all and a sign mask is the high byte; the kernel scales the scores by
+# the grid step * 2**24 once (lut_bytes).
 _WORDS_BODY = """{
-.reg .b32 c, idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
+.reg .b32 c, idx, idx2, la, lb, sl, sh, l0, l1;
 mov.b32 l0, %(l0)d;
 mov.b32 l1, %(l1)d;
-mov.b32 h0, %(h0)d;
-mov.b32 h1, %(h1)d;
 prmt.b32 c, $4, $4, 0x3120;
 and.b32 idx, c, 0x77777777;
-""" + _LOOKUP + _SIGN.replace("$2", "c") + """prmt.b32 $0, la, ha, 0x6240;
-prmt.b32 $1, lb, hb, 0x6240;
-prmt.b32 $2, la, ha, 0x7351;
-prmt.b32 $3, lb, hb, 0x7351;
+prmt.b32 la, l0, l1, idx;
+shr.b32 idx2, idx, 16;
+prmt.b32 lb, l0, l1, idx2;
+shl.b32 sl, c, 4;
+and.b32 sl, sl, 0x80808080;
+and.b32 sh, c, 0x80808080;
+prmt.b32 $0, la, sl, 0x5240;
+prmt.b32 $1, lb, sl, 0x7260;
+prmt.b32 $2, la, sh, 0x5341;
+prmt.b32 $3, lb, sh, 0x7361;
 }"""
+# la (lb): magnitude bytes of nibbles 0-3 (4-7) of the reordered bytes c = (b0, b2, b1, b3): b0.lo, b0.hi, b2.lo,
+# b2.hi (b1.lo, b1.hi, b3.lo, b3.hi); sl (sh): the low (high) nibbles' sign bits at bit 7 of each byte of c.
 WORDS_CONSTRAINTS = "=r,=r,=r,=r,r"
 
 
 @functools.lru_cache(maxsize=None)
-def lut_words_asm(words: tuple[int, int, int, int]) -> str:
-    """The asm decoding 2 code words of a token into 4 fp16x2 (WORDS_CONSTRAINTS)."""
-    l0, l1, h0, h1 = words
-    return _WORDS_BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1)  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
+def lut_words_asm(table: tuple[int, int]) -> str:
+    """The asm decoding 2 code words of a token into 4 fp16x2 subnormals (WORDS_CONSTRAINTS); table: lut_bytes'."""
+    l0, l1 = table
+    return _WORDS_BODY % dict(l0=l0, l1=l1)
+
+
+def lut_bytes(centroids: torch.Tensor) -> tuple[tuple[int, int], float] | None:
+    """((M0, M1), unit): the 8 magnitudes of 16 ascending symmetric centroids as integer bytes m (4 per word) and
+    unit = step * 2**24 with centroid = m * step, so a score over the subnormals m * 2**-24 times unit is the score
+    over the centroids; None unless the magnitudes are whole multiples (1..255) of a step (reference.on_byte_grid)."""
+    if centroids.numel() != 16:
+        return None
+    c = centroids.detach().to("cpu", torch.float32)
+    mags = c[8:]
+    if not (torch.equal(c[:8].flip(0), -mags) and bool((mags > 0).all())):
+        return None
+    step = mags.max() / 255
+    m = torch.round(mags / step)
+    if not (torch.equal(m * step, mags) and bool((m >= 1).all()) and bool((m <= 255).all())):
+        return None
+    b = [int(v) for v in m.tolist()]
+    return (_word(b[:4]), _word(b[4:])), float(step) * 2.0**24
+
+
+@functools.lru_cache(maxsize=None)
+def config_lut_bytes(config: "TurboQuantConfig", head_dim: int) -> tuple[tuple[int, int], float] | None:
+    """lut_bytes of this config's 4-bit codebook keys (computed on the CPU once per (config, head_dim))."""
+    from ..reference import key_codec
+
+    if not config.uses_codebook or config.key_bits != 4:
+        return None
+    return lut_bytes(key_codec(config, head_dim, "cpu").centroids)  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,11 +179,11 @@ def _byte_tables(entries: torch.Tensor) -> tuple[int, int, int, int]:
 def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, int, int, int] | None:
     """The tables for this config's 4-bit codebook keys, computed on the CPU once per (config,
     head_dim) (no device sync in a decode step); None when the lookup does not apply."""
-    from ..codebook import lloyd_max
+    from ..reference import key_codec
 
     if not config.uses_codebook or config.key_bits != 4:
         return None
-    return lut_words(lloyd_max(head_dim, config.key_bits).centroids)
+    return lut_words(key_codec(config, head_dim, "cpu").centroids)
 
 
 # ---- 3-bit codebook keys ------------------------------------------------------------------------
