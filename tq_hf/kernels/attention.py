@@ -490,12 +490,11 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
-        k_scale = k_scale[None, :]
     elif HP == 2:
         k_scale = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)[None, :],
                            _load_meta(pool_ptr, plane + plane_bytes, 0, off, T, META, tok_ok, META_WORDS)[None, :])
     else:
-        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)[None, :]
+        k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
         vis = tok_ok[None, :] & (tok[None, :] <= qpos[:, None])
         if HAS_WINDOW:
@@ -505,14 +504,14 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if not HAS_SOFTCAP:
         # log2 logits = row_scale * (s * k_scale) + q_mu: the per-row factor and offset enter the
         # row max and the exp2's FFMA instead of every score (H200, B=16 S=32k, all levers: 0.440 -> 0.425 ms)
-        x = tl.where(vis, s * k_scale, -float("inf"))
+        x = tl.where(vis, s * (k_scale if HP == 2 else k_scale[None, :]), -float("inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1) * row_scale + row_off)
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(x * row_scale[:, None] + (row_off - m_use)[:, None])
         alpha = tl.exp2(m_i - m_use)
         m_i = m_new
     else:
-        s = s * row_scale[:, None] * k_scale
+        s = s * row_scale[:, None] * (k_scale if HP == 2 else k_scale[None, :])
         if HAS_KEY_OFFSET:
             s = s + q_mu[:, None]
         s = _log2_logits(s, softcap, HAS_SOFTCAP)
@@ -524,22 +523,32 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
                            _load_meta(pool_ptr, plane + plane_bytes, 1, off, T, META, tok_ok, META_WORDS)[None, :])
         v_mid = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)[None, :],
                          _load_meta(pool_ptr, plane + plane_bytes, 2, off, T, META, tok_ok, META_WORDS)[None, :])
-    else:
+        sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
+    else:  # [N] fields (expanded at each use: as the pipeliner and the register allocation were measured)
         if not META_PAIRS:
             v_scale = _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)
             v_mid = _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)
-        v_scale = v_scale[None, :]
-        v_mid = v_mid[None, :]
-    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
+        sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)[None, :]), 1, _add_pairs)
     l_i = l_i * alpha + sum_p
     bias_acc = bias_acc * alpha + sum_pb
 
     # values
+    if HP == 1:
+        v_scale = v_scale[None, :]
+        v_mid = v_mid[None, :]
     if VMID_CHAIN:  # v_mid enters the MMA operand's chain (+ 0 * v_mid): Triton's pipeliner prefetches only such loads
         ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)
     else:
         ps = (p * v_scale).to(tl.float16)
-    if VALUE_BITS == 4 and VALUE_WORDS:
+    if VALUE_BITS == 4 and VALUE_WORDS and HP == 1:
+        v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
+        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+        v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
+        acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
+    elif VALUE_BITS == 4 and VALUE_WORDS:
         acc0 = acc0 * alpha[:, None]
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
@@ -548,7 +557,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
             v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
             vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
             v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
-            ps_j = ps if HP == 1 else tl.where(sub[:, None] == j, ps, 0.0)
+            ps_j = tl.where(sub[:, None] == j, ps, 0.0)
             acc0 = tl.dot(ps_j, v0, acc0)
             acc1 = tl.dot(ps_j, v1, acc1)
             acc2 = tl.dot(ps_j, v2, acc2)
@@ -639,13 +648,18 @@ def _attn_kernel(
 
     # ---- rows of this program: (query i, group member g) pairs --------------------------------
     RH: tl.constexpr = BLOCK_M // HP  # rows per KV head
-    lr = tl.arange(0, BLOCK_M)
-    sub = lr // RH  # which of the program's heads (a function of the register: selections by it fold)
-    rr = m_tile * RH + lr % RH  # the row within its head's rows (HP == 2: one row tile, m_tile 0)
+    if HP == 1:
+        sub = 0
+        rr = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        hh = h
+    else:
+        lr = tl.arange(0, BLOCK_M)
+        sub = lr // RH  # which of the program's heads (a function of the register: selections by it fold)
+        rr = m_tile * RH + lr % RH  # the row within its head's rows (one row tile: m_tile 0)
+        hh = h * HP + sub  # the row's KV head
     qi = rr // G
     qg = rr % G
     row_ok = qi < Lq
-    hh = h * HP + sub  # the row's KV head
     qhead = hh * G + qg
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
     qpos = seq_len - Lq + qi
@@ -867,7 +881,10 @@ def _attn_kernel(
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = bias_acc * inv_l
     if SPLIT:
-        prow = ((b * (tl.num_programs(1) * HP) + hh) * ns_all + split) * RH + rr  # per KV head: RH rows
+        if HP == 1:
+            prow = ((b * tl.num_programs(1) + h) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        else:  # per KV head: RH rows
+            prow = ((b * (tl.num_programs(1) * HP) + hh) * ns_all + split) * RH + rr
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
         tl.store(plse_ptr + prow, lse)
         dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
