@@ -44,9 +44,10 @@ def test_three_bit_keys_at_head_dim_256_fit_an_h200():
 @pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
 def test_four_bit_key_lookup_decodes_in_the_mma_operand_layout():
     """4-bit decode with the prmt lookup compiles for sm_90a, and its shared memory shows that the
-    key tile is decoded in registers: 45,056 B (codes + values staging) where the gather's fp16
-    key tile took 102,400 B (Triton 3.6, H200). Fails if the compiler stops moving the asm into
-    the MMA's operand layout."""
+    key tiles are decoded in registers: the plain format's two KV heads per program take 83,968 B
+    (Triton 3.6), at most the codes and values of two heads in 3 stages (3 x 2 x 128 tokens x 128 B),
+    where a staged fp16 key tile adds 32,768 B per head and stage (the gather's took 102,400 B for one
+    head, H200). Fails if the compiler stops moving the asm into the MMA's operand layout."""
     stdout, out = _compile_check("--presets", "4bit", "--head-dims", "128", "--modes", "decode", "--levers", "off")
     line = next(line for line in stdout.splitlines() if line.startswith("attention decode 4bit"))
-    assert int(line.split("shared ")[1].split(" B")[0]) <= 65536, out
+    assert int(line.split("shared ")[1].split(" B")[0]) <= 3 * 2 * 128 * 128, out

@@ -417,9 +417,8 @@ def _capture_gpu_launch(monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("preset,batch,splits", [
-    ("4bit", 1, 32), ("4bit", 16, 4),  # 3 waves of the H200's 132 SMs, a power of two (B=16: of 64 head pairs)
-    ("4bit", 2, 32),  # mid batch: 2-warp programs, 6 waves (was 16)
-    ("4bit", 4, 16), ("4bit", 8, 8),  # two KV heads per program: 3 waves of half the programs
+    ("4bit", 1, 64), ("4bit", 2, 32), ("4bit", 4, 16), ("4bit", 8, 8), ("4bit", 16, 4),  # 3 waves of the H200's
+    # 132 SMs, a power of two, of half the programs (two KV heads per program)
     ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
 ])
 def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
@@ -430,9 +429,8 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
     q = torch.randn(batch, 32, 1, 128, dtype=torch.float16)
     unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
                       max_seq_len=32768)
-    pairs = preset == "4bit" and batch >= 4
-    assert seen["GRID"] == (splits, 4 if pairs else 8, batch) and seen["SPLIT"]
-    assert seen["num_warps"] == (2 if preset == "4bit" and batch == 2 else 4)
+    assert seen["GRID"] == (splits, 4 if preset == "4bit" else 8, batch) and seen["SPLIT"]
+    assert seen["num_warps"] == 4
     if preset == "4bit" and batch == 4:  # measured slower with the levers: the rule before (3 waves, 4 warps)
         seen.clear()
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
@@ -442,10 +440,10 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
-    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program from 4 x 8 KV heads: 168 registers (session14)
+    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program (plain format): 168 registers (session14)
     ("4bit", 4, 1, True, 128, 168),
-    ("4bit", 2, 1, True, 128, None),  # mid batch: 2-warp programs on 128-token tiles (decode_variants/warps_session8)
-    ("4bit", 1, 1, True, 256, None),  # few programs: long split walks (H200 sweep, eval/results/decode_lookups/)
+    ("4bit", 2, 1, True, 128, 168),
+    ("4bit", 1, 1, True, 128, 168),
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
     ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads (gpu_checks/session10)
@@ -467,9 +465,9 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     # two KV heads per program: 4-bit lookup decode of the plain format from 4 sequences of 8 KV heads
-    head_pairs = lookup and preset == "4bit" and batch >= 4
+    head_pairs = lookup and preset == "4bit"
     assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
-    assert seen["num_warps"] == (2 if lookup and batch == 2 and preset == "4bit" else 4), seen
+    assert seen["num_warps"] == 4, seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
     key_words = head_pairs or (lookup and preset == "4bit" and batch >= 16)  # measured there
     assert seen["KEY_WORDS"] == key_words, seen
@@ -518,8 +516,8 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
 @pytest.mark.parametrize("batch", [16, 1])
 def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles at any
-    batch (at B=1 without them 256), the 128-register cap only when the batch fills the GPU (without
-    them two KV heads per program in 168)."""
+    batch, the 128-register cap only when the batch fills the GPU (without them two KV heads per
+    program in 168 registers)."""
     seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("4bit", 8, 128)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -530,10 +528,9 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
         kw["recent_keys"], kw["recent_values"] = recent_ring(layout, batch, 16, torch.float32, "cpu")
     unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
                       max_seq_len=32768, **kw)
-    block_n = 128 if exact or batch == 16 else 256
-    # the plain format at B=16: two KV heads per program in 168 registers
-    maxnreg = (168 if exact is None else 128) if batch == 16 else None
-    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (block_n, maxnreg, 2 if maxnreg == 168 else 1), seen
+    # the plain format: two KV heads per program in 168 registers
+    want = (128, 168, 2) if exact is None else (128, 128 if batch == 16 else None, 1)
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
 
 
 def test_gpu_value_planes_in_64_row_tiles(monkeypatch):

@@ -17,7 +17,7 @@ layout and the fp16 key tile never goes through shared memory; when the batch fi
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
 ldmatrix; the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16
 subnormals with the sign bit set from the code, one 8-byte table, the scores scaled once by
-KEY_UNIT); elsewhere the centroids are gathered. From 4 sequences of 8 KV heads a program takes two
+KEY_UNIT); elsewhere the centroids are gathered. In the plain format a program takes two
 KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
 only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
 trip through shared memory serve both heads. Values use P.V = (P * value_scale) . code + P . bias with
@@ -1278,8 +1278,9 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.
     # H200, S=32k plain 4bit, in 168 registers, alternated twice (gpu_checks/session14/call4): B=16 0.2437 -> 0.2320
     # ms, S=128k 0.949 -> 0.880, B=8 0.1359 -> 0.1237, B=4 0.0763 -> 0.0694 (from 2-warp programs); in 128
-    # registers (spills) B=16 0.2861, with 2 pipeline stages 0.2635 (call3). B=1-2 unmeasured, so not there
-    pairs = bool(words) and d == 128 and on_gpu and plain_format and hk % 2 == 0 and rows <= 8 and b * hk >= 32
+    # registers (spills) B=16 0.2861, with 2 pipeline stages 0.2635 (call3); with the byte magnitudes (call6) B=2
+    # 0.0481 -> 0.0422 (from 2-warp programs), B=1 0.0337 -> 0.0302 (from 256-token tiles and token pairs)
+    pairs = bool(words) and d == 128 and on_gpu and plain_format and hk % 2 == 0 and rows <= 8
     hp = tuning.get("head_pairs", 2 if pairs else 1)
     if hp not in (1, 2):
         raise ValueError(f"tuning head_pairs must be 1 or 2, got {hp!r}")
