@@ -12,8 +12,8 @@ visible to every row of the program skip every mask. Per tile the kernel only un
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; when the batch fills the GPU as
-16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
+layout and the fp16 key tile never goes through shared memory; in the plain format (and with
+centering / value rotation when the batch fills the GPU) as 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
 ldmatrix; the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16
 subnormals with the sign bit set from the code, one 8-byte table, the scores scaled once by
@@ -242,6 +242,15 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
         return tl.where((off & 1) != 0, w & 0xFFFF0000, w << 16).to(tl.float32, bitcast=True)
     ptr = (pool_ptr + (plane + META + (field * T + off) * 2)).to(tl.pointer_type(tl.bfloat16))
     return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pair_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
+               WORDS: tl.constexpr, sub):
+    """_load_meta of two KV heads (the second's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
+    the row's head; the selection is a function of the register, so it folds)."""
+    return tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, field, off, T, META, mask, WORDS)[None, :],
+                    _load_meta(pool_ptr, plane + plane_bytes, field, off, T, META, mask, WORDS)[None, :])
 
 
 @triton.jit
@@ -491,8 +500,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
     elif HP == 2:
-        k_scale = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)[None, :],
-                           _load_meta(pool_ptr, plane + plane_bytes, 0, off, T, META, tok_ok, META_WORDS)[None, :])
+        k_scale = _pair_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub)
     else:
         k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
@@ -519,10 +527,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
     if HP == 2:
-        v_scale = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 1, off, T, META, tok_ok, META_WORDS)[None, :],
-                           _load_meta(pool_ptr, plane + plane_bytes, 1, off, T, META, tok_ok, META_WORDS)[None, :])
-        v_mid = tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, 2, off, T, META, tok_ok, META_WORDS)[None, :],
-                         _load_meta(pool_ptr, plane + plane_bytes, 2, off, T, META, tok_ok, META_WORDS)[None, :])
+        v_scale = _pair_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub)
+        v_mid = _pair_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub)
         sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
     else:  # [N] fields (expanded at each use: as the pipeliner and the register allocation were measured)
         if not META_PAIRS:
@@ -1384,15 +1390,14 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     pool32 = bool(tuning.get("pool32", pool.numel() < 2**31 and cfg.value_bits != 3))
     if pool32 and pool.numel() >= 2**31:
         raise ValueError(f"tuning pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
-    # the byte magnitudes (reference.on_byte_grid) halve the word asm's lookups: offline sm_90a 1,504 -> 1,310
-    # instructions per tile of two heads; H200 S=32k 32/8/128 4bit, trees alternated twice (gpu_checks/session14/
-    # call5): B=16 0.2313 -> 0.2138 ms, 128k 0.882 -> 0.807, B=8 0.1251 -> 0.1161, B=4 0.0698 -> 0.0654.
     # 4-bit codebook keys as 16-bit code words, two of a token per MMA operand register (key_lut.lut_words_asm):
     # the query's operand then loads by ldmatrix, no register moves (sm_90a, B=16 S=32k: 1014 -> 892 instructions
     # per tile). H200 S=32k 32/8/128 4bit (gpu_checks/session14/call1, call2): B=16 0.2569 -> 0.2428 ms, with
-    # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; not where it did not gain: with the exact
-    # prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369 -> 0.0375), B=4 0.0768
-    # -> 0.0763
+    # centering + value rotation 0.2703 -> 0.2653, 128k 1.004 -> 0.954; one head per program, not where it did not
+    # gain: with the exact prefix and ring too 0.2980 -> 0.3000, B=1 0.0333 -> 0.0334 (centering + rotation 0.0369
+    # -> 0.0375), B=4 0.0768 -> 0.0763; always with head pairs. Their magnitudes as bytes (reference.on_byte_grid)
+    # halve the asm's lookups: offline 1,504 -> 1,310 instructions per tile of two heads; H200, trees alternated
+    # twice (call5): B=16 0.2313 -> 0.2138 ms, 128k 0.882 -> 0.807, B=8 0.1251 -> 0.1161, B=4 0.0698 -> 0.0654
     kbytes = config_lut_bytes(cfg, d) if words else None  # the word asm's magnitude bytes (reference.on_byte_grid)
     key_words = bool(tuning.get("key_words", kbytes is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
                                                                                                          or recent_size)))))
@@ -1401,13 +1406,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
-    if hp == 2 and not (key_words and value_words and plain_format and decode and rows <= block_m // 2 and hk % 2 == 0
-                        and not meta_pairs):
-        raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head) with 4-bit key and value words "
-                         "(key_words, value_words), without meta_pairs, in the plain format (no key_centering, "
-                         "value_rotation, exact prefix or ring) and an even number of KV heads; got "
-                         f"{rows} rows, key_words={key_words}, value_words={value_words}, meta_pairs={meta_pairs}, "
-                         f"plain format {plain_format}, {hk} KV heads")
+    if hp == 2 and not (key_words and value_words and plain_format and decode and rows <= 8 and block_m == 16
+                        and hk % 2 == 0 and not meta_pairs):
+        raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head, 16-row tiles) with 4-bit key and "
+                         "value words (key_words, value_words), without meta_pairs, in the plain format (no "
+                         "key_centering, value_rotation, exact prefix or ring) and an even number of KV heads; got "
+                         f"{rows} rows, block_m {block_m}, key_words={key_words}, value_words={value_words}, "
+                         f"meta_pairs={meta_pairs}, plain format {plain_format}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
