@@ -830,8 +830,14 @@ def test_decode_three_bit_value_planes(head_dim, options):
 @pytest.mark.parametrize("meta", ["meta_pairs", "meta_words", "meta_words+bt_next"])
 def test_meta_pairs_decode(block_size, options, meta):
     layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
-    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
     tuning = {m: True for m in meta.split("+")} | ({"vmid_chain": True} if "bt_next" in meta else {})
+    _check_decode_walks(layout, options, tuning)
+
+
+def _check_decode_walks(layout, options: bool, tuning: dict) -> None:
+    """Decode variants of one format: odd kv_start with splits (a softcap, or the format options), two query
+    positions with a window at GQA 3, and with the options the exact prefix and ring."""
+    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
     _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
     _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
     if options:
@@ -845,16 +851,10 @@ def test_meta_pairs_decode(block_size, options, meta):
 @pytest.mark.parametrize("options", [False, True])
 def test_key_words_decode(head_dim, options):
     layout = make_layout("4bit", 2, head_dim, 16, key_centering=options, value_rotation=options)
-    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    tuning = {"key_words": True, "meta_words": options}
-    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
-    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
-    if options:
-        _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
-               num_splits=3, tuning=tuning, **kw)
+    _check_decode_walks(layout, options, {"key_words": True, "meta_words": options})
 
 
-# two KV heads per program (head_pairs=2, a GPU's default from 4 x 8 KV heads): their query rows in one tile, masked
+# two KV heads per program (head_pairs=2, a GPU's default in the plain format): their query rows in one tile, masked
 # and causal tiles, splits, windows, sinks, Lq 2, 2 and 4 KV heads, both metadata loads
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("meta_words", [False, True])
