@@ -160,7 +160,7 @@ def stored_codes(bits: int) -> torch.Tensor:
 def on_byte_grid(centroids: torch.Tensor) -> torch.Tensor:
     """4-bit key centroids rounded to multiples of 1/255 of the largest magnitude: the decode kernel reads each
     magnitude as one byte (an fp16 subnormal, key_lut.lut_bytes) and scales the scores once. The Lloyd-Max
-    boundaries stay; the expected squared error grows by 0.07-0.14% at head_dim 64-256 (tests/test_reference.py)."""
+    boundaries stay; the expected squared error grows by 0.07-0.14% at head_dim 64-256 (tests/test_codebook.py)."""
     step = centroids.abs().max() / 255
     return torch.round(centroids / step) * step
 

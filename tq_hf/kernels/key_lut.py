@@ -75,7 +75,7 @@ _BODY = _HEAD + _LOOKUP + _SIGN + _INTERLEAVE
 #          msb by the shift) into 0xFF/0x00 per byte; its bit 7 becomes the fp16 sign bit in the high byte
 #   $0/$1: interleave (low byte, high byte) of the wanted nibbles into two fp16x2 words
 
-CONSTRAINTS = "=r,=r,r"
+CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
 
 # 16-bit code words (bytes 2w, 2w + 1 of a token: coordinates 2w, 2w + 1 in the low nibbles, D/2 + 2w, D/2 + 2w + 1
 # in the high ones), two words of one token per register ($4: bytes b0 b1 b2 b3 = words w, w + 1), so the key tile
@@ -139,7 +139,7 @@ def config_lut_bytes(config: "TurboQuantConfig", head_dim: int) -> tuple[tuple[i
 
     if not config.uses_codebook or config.key_bits != 4:
         return None
-    return lut_bytes(key_codec(config, head_dim, "cpu").centroids)  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit input (4 code bytes)
+    return lut_bytes(key_codec(config, head_dim, "cpu").centroids)
 
 
 @functools.lru_cache(maxsize=None)
