@@ -351,6 +351,18 @@ def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
     _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
+    if recent[0] > 16:  # the ring in 32-token tiles (a GPU's; the interpreter's default is 16)
+        _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
+               kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"ring_n": 32}, **kw)
+
+
+def test_ring_tile_refused():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [40], DEVICE)
+    ring = recent_ring(layout, 1, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="ring_n must be 16, 32, 64 or 128 tokens, got 48"):
+        unified_attention(torch.randn(1, 4, 1, 64, device=DEVICE), pool, layout, table, torch.tensor([40], device=DEVICE),
+                          0.1, recent_keys=ring[0], recent_values=ring[1], recent_from=0, tuning={"ring_n": 48})
 
 
 # prefill (several row tiles, Lq == S for row 0) and a chunk after a crop, with a sliding window
@@ -542,6 +554,21 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
                       max_seq_len=32768, tuning={"head_pairs": 1}, **kw)  # one head: capped when the batch fills the GPU
     want = (128 if exact or batch == 16 else 256, 128 if batch == 16 else None, 1)  # plain B=1: 256-token tiles
     assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
+
+
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
+    """FP8 keys with value rotation and the exact buffers (k8v4's defaults) run in 128 registers at any batch on an
+    H200 (B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4); the plain format only from 4 x 8 KV heads."""
+    seen = _capture_gpu_launch(monkeypatch)
+    for levers in (True, False):
+        layout = make_layout("k8v4", 8, 128, value_rotation=levers)
+        pool, table = fill_cache(layout, [64] * batch, "cpu")
+        kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu"))) if levers else {}
+        unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
+                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        assert seen.get("maxnreg") == (128 if levers or batch >= 4 else None), (levers, seen)
+        seen.clear()
 
 
 def test_gpu_value_planes_in_64_row_tiles(monkeypatch):

@@ -1341,13 +1341,14 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
             block_n, maxnreg = 128, 128
-        elif cfg.key_bits == 8 and d == 128 and on_gpu and b * hk >= 32:
+        elif cfg.key_bits == 8 and d == 128 and on_gpu and (b * hk >= 32 or not plain_format):
             # FP8 keys in 128 registers from 4 sequences of 8 KV heads: with value rotation the epilogue took
             # 184 (253 with the exact prefix and ring), 2 programs per SM. H200, k8v4 S=32k, outputs
             # bit-identical: B=16 plain 0.2905 -> 0.2853 ms, value rotation 0.4225 -> 0.3001, the preset's
             # defaults 0.4348 -> 0.3659 (gpu_checks/session9/call8); B=8 plain 0.1556 -> 0.1533, defaults
             # 0.2471 -> 0.2171; B=4 plain 0.0876 -> 0.0867, defaults 0.1501 -> 0.1350; B=1 defaults
-            # 0.0584 -> 0.0598, so not there (gpu_checks/session10/call1, call2, call5)
+            # 0.0584 -> 0.0598, so not there (gpu_checks/session10/call1, call2, call5); since the exact tiles' 16-bit
+            # dots, with the levers also at B=1: defaults 0.0467 -> 0.0435 (gpu_checks/session15/call4)
             maxnreg = 128
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
@@ -1482,6 +1483,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and _runs_ptx(pool.device))) and all(
         x.dtype == query.dtype for x in (prefix_keys, prefix_values, recent_keys, recent_values) if x is not None)
 
+    ring_n = tuning.get("ring_n", min(32, max(16, next_pow2(recent_size))) if on_gpu else 16)  # ring tile, tokens
+    if ring_n not in (16, 32, 64, 128):
+        raise ValueError(f"tuning ring_n must be 16, 32, 64 or 128 tokens, got {ring_n!r}")
+
     workspace_numel = 0
     partial_rows = b * hk * ns_all * (block_m // hp)
     if split:
@@ -1505,7 +1510,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=ring_n,
         HP=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
