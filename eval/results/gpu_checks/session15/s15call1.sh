@@ -13,7 +13,7 @@ SIDE=$!
 export CUDA_VISIBLE_DEVICES=0
 P="[(16,32768),(4,32768),(1,32768)]"
 V="{'one':{'head_pairs':1},'pairs':{},'pairs_bt':{'bt_next':True},'pairs_s3':{'num_stages':3}}"
-timeout 400 python3 $S/ab_levers.py "$P" "$V" 3 $R/ab_pairs_levers.json > $R/ab.log 2>&1; echo "ab rc=$?"
+timeout 400 python3 eval/results/gpu_checks/session14/ab_levers.py "$P" "$V" 3 $R/ab_pairs_levers.json > $R/ab.log 2>&1; echo "ab rc=$?"
 wait $SIDE
 grep -E "FAILED|ERROR|passed|failed" $R/gpu_tests.log | tail -12
 grep -v Warn $R/ab.log

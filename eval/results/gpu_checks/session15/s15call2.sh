@@ -15,8 +15,8 @@ P="[(16,32768),(4,32768),(1,32768),(16,131072)]"
 VM="{'main':{}}"
 VB="{'branch':{},'no_bt':{'bt_next':False},'one_head':{'head_pairs':1}}"
 for r in 1 2; do
-  (cd .scratch/main && timeout 200 python3 ab_levers.py "$P" "$VM" 1 $R/ab_main_r$r.json > $R/ab_main_r$r.log 2>&1); echo "main r$r rc=$?"
-  timeout 260 python3 $S/ab_levers.py "$P" "$VB" 1 $R/ab_branch_r$r.json > $R/ab_branch_r$r.log 2>&1; echo "branch r$r rc=$?"
+  (cd .scratch/main && timeout 200 python3 ../../eval/results/gpu_checks/session14/ab_levers.py "$P" "$VM" 1 $R/ab_main_r$r.json > $R/ab_main_r$r.log 2>&1); echo "main r$r rc=$?"
+  timeout 260 python3 eval/results/gpu_checks/session14/ab_levers.py "$P" "$VB" 1 $R/ab_branch_r$r.json > $R/ab_branch_r$r.log 2>&1; echo "branch r$r rc=$?"
 done
 wait $SIDE
 grep -E "FAILED|ERROR|passed|failed" $R/gpu_tests.log | tail -12
