@@ -12,8 +12,9 @@ visible to every row of the program skip every mask. Per tile the kernel only un
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; at head_dim 128 with an even
-number of KV heads (head pairs, below) as 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
+layout and the fp16 key tile never goes through shared memory; where a program takes two KV heads
+(below), or takes one while the batch fills the GPU without exact buffers, as 16-bit code words [D/4, N]
+(KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
 ldmatrix; the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16
 subnormals with the sign bit set from the code, one 8-byte table, the scores scaled once by
