@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, make_config, time_ms
+from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, exact_buffers, make_config, time_ms
 from eval.common import markdown_table, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
@@ -114,13 +114,7 @@ def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str =
     mu = torch.randn(hk, d, device=device) if layout.config.key_centering else None
     pool, table = _fill_pool(layout, b, s, device=device, key_offset=mu)
     seq = torch.full((b,), s, device=device, dtype=torch.int32)
-    extra = {}
-    if prefix:
-        pk = torch.randn(b, hk, prefix, d, device=device, dtype=torch.float16)
-        extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
-    if ring:
-        rk = torch.randn(b, hk, ring, d, device=device, dtype=torch.float16)
-        extra.update(recent_keys=rk, recent_values=torch.randn_like(rk), recent_from=0)
+    extra = exact_buffers(layout, b, prefix, ring, device)
     out = torch.full_like(q, float("nan"))
 
     def call():

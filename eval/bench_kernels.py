@@ -8,7 +8,7 @@ Times are medians of CUDA-graph replays (decode) or eager calls (prefill) with t
 flushed before each; GB/s counts the compressed cache bytes the kernel must read.
 
     python -m eval.bench_kernels [--quick] [--out-dir eval/results]
-    python -m eval.bench_kernels --batches 16 --lengths 32768 --presets 4bit k8v4 k3v4 3bit 4bit+opts \
+    python -m eval.bench_kernels --batches 16 --lengths 32768 --presets 4bit k8v4 k3v4 3bit 4bit+defaults \
         --prefill-lengths 8192 16384 --store-sweep --tag kernels_bench_round2   # a targeted subset
 """
 
@@ -32,15 +32,34 @@ MAX_FP16_KV_BYTES = 40 * 2**30  # skip shapes whose fp16 K+V alone would exceed 
 
 
 OPTIONS_SUFFIX = "+opts"  # a preset name ending in this also turns on key_centering and value_rotation
+DEFAULTS_SUFFIX = "+defaults"  # ... the preset as TurboQuantCache uses it: every lever at its default (exact prefix, ring)
 
 
 def make_config(name: str, block_size: int = 16):
-    """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX."""
+    """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX or DEFAULTS_SUFFIX (else the
+    plain format: no centering, value rotation, exact prefix or ring)."""
     from tq_hf.config import TurboQuantConfig
 
+    if name.endswith(DEFAULTS_SUFFIX):
+        return TurboQuantConfig.from_preset(name[: -len(DEFAULTS_SUFFIX)], block_size=block_size)
     opts = name.endswith(OPTIONS_SUFFIX)
     preset = name[: -len(OPTIONS_SUFFIX)] if opts else name
-    return TurboQuantConfig.from_preset(preset, block_size=block_size, key_centering=opts, value_rotation=opts)
+    return TurboQuantConfig.from_preset(preset, block_size=block_size, key_centering=opts, value_rotation=opts,
+                                        exact_prefix_tokens=0, recent_window=0)
+
+
+def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda") -> dict:
+    """unified_attention's exact side buffers (random fp16): `prefix` leading tokens and a ring of `ring` recent
+    ones per row and KV head (none where 0)."""
+    hk, d = layout.num_kv_heads, layout.head_dim
+    extra = {}
+    if prefix:
+        pk = torch.randn(b, hk, prefix, d, device=device, dtype=torch.float16)
+        extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
+    if ring:
+        rk = torch.randn(b, hk, ring, d, device=device, dtype=torch.float16)
+        extra.update(recent_keys=rk, recent_values=torch.randn_like(rk), recent_from=0)
+    return extra
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -131,8 +150,9 @@ def bench_decode(args, flush, results):
                     seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
                     out = torch.empty_like(q)
                     scale = 1 / math.sqrt(d)
+                    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, cfg.recent_window)
                     ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,
-                                                           key_offset=mu),
+                                                           key_offset=mu, **extra),
                                  args.reps, True, flush)
                     cbytes = b * hk * s * cfg.token_head_bytes(d)
                     row[preset] = {"ms": ms, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6}
@@ -323,7 +343,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out-dir", default="eval/results", help="where kernels_bench.json / .md are written")
     ap.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default 1 16)")
     ap.add_argument("--lengths", type=int, nargs="*", help="decode cache lengths")
-    ap.add_argument("--presets", nargs="*", help=f"decode presets; suffix {OPTIONS_SUFFIX} adds key_centering + value_rotation")
+    ap.add_argument("--presets", nargs="*", help=f"decode presets (the plain format); suffix {OPTIONS_SUFFIX} adds key_centering + "
+                    f"value_rotation, {DEFAULTS_SUFFIX} takes every lever's default (+ the exact prefix and ring)")
     ap.add_argument("--prefill-lengths", type=int, nargs="*", help="prefill prompt lengths")
     ap.add_argument("--prefill-presets", nargs="*", choices=PRESETS,
                     help="presets of the prefill and decode-step store sections (default 4bit k8v4)")

@@ -351,6 +351,18 @@ def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
     _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
+    if recent[0] > 16:  # the ring in 32-token tiles (a GPU's; the interpreter's default is 16)
+        _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
+               kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"ring_n": 32}, **kw)
+
+
+def test_ring_tile_refused():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [40], DEVICE)
+    ring = recent_ring(layout, 1, 16, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="ring_n must be 16, 32, 64 or 128 tokens, got 48"):
+        unified_attention(torch.randn(1, 4, 1, 64, device=DEVICE), pool, layout, table, torch.tensor([40], device=DEVICE),
+                          0.1, recent_keys=ring[0], recent_values=ring[1], recent_from=0, tuning={"ring_n": 48})
 
 
 # prefill (several row tiles, Lq == S for row 0) and a chunk after a crop, with a sliding window
@@ -431,12 +443,12 @@ def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
                       max_seq_len=32768)
     assert seen["GRID"] == (splits, 4 if preset == "4bit" else 8, batch) and seen["SPLIT"]
     assert seen["num_warps"] == 4
-    if preset == "4bit" and batch == 4:  # measured slower with the levers: the rule before (3 waves, 4 warps)
+    if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits (gpu_checks/session15)
         seen.clear()
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
         unified_attention(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
                           max_seq_len=32768, key_offset=torch.zeros(8, 128))
-        assert seen["GRID"] == (8, 8, batch) and seen["num_warps"] == 4
+        assert seen["GRID"] == (16, 4, batch) and seen["num_warps"] == 4
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
@@ -464,7 +476,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         lookup, maxnreg = False, None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
-    # two KV heads per program: 4-bit lookup decode of the plain format from 4 sequences of 8 KV heads
+    # two KV heads per program: 4-bit lookup decode (any batch; the levers too, below)
     head_pairs = lookup and preset == "4bit"
     assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
     assert seen["num_warps"] == 4, seen
@@ -491,22 +503,31 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     seen.clear()
-    if meta_words and (batch >= 16 or not head_pairs):  # with centering + value rotation (the cache's defaults) no
-        # block-table prefetch: 2 stages (at B=4 the 4-bit lookup then reads token pairs)
+    if meta_words:  # with centering + value rotation (the cache's defaults): head pairs keep the block-table
+        # prefetch and 3 stages (gpu_checks/session15/call1); one head per program does without (2 stages)
         opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
         unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           key_offset=torch.zeros(batch, 8, head_dim))
-        assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (True, True, False, 2), seen
-        assert seen["KEY_WORDS"] == (lookup and preset == "4bit" and batch >= 16) and seen["HP"] == 1, seen
+        assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (
+            True, True, head_pairs, 3 if head_pairs else 2), seen
+        assert (seen["KEY_WORDS"], seen["HP"]) == (key_words, 2 if head_pairs else 1), seen
         seen.clear()
-    if key_words and batch >= 16:  # with the exact prefix the code words measured no gain (gpu_checks/session14/call2): the bytes
+    if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words)
         pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
         unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           prefix_keys=pk, prefix_values=pk)
-        assert seen["KEY_WORDS"] is False and seen["KEY_LUT"] is True and seen["HP"] == 1, seen
+        assert (seen["KEY_WORDS"], seen["HP"], seen["EXACT_16"]) == (True, 2, False), seen  # fp32 query: 3 tf32 passes
+        seen.clear()
+        unified_attention(q.half(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          prefix_keys=pk, prefix_values=pk)
+        assert seen["EXACT_16"] is True, seen  # the query's and the buffers' dtype: 16-bit dots
+        seen.clear()
+        unified_attention(q.bfloat16(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                          prefix_keys=pk.bfloat16(), prefix_values=pk.bfloat16())
+        assert seen["EXACT_16"] is True, seen  # bf16 too on a GPU (the interpreter's bf16 dots are broken)
         seen.clear()
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
     assert seen["KEY_LUT"] is False
@@ -515,9 +536,8 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
 @pytest.mark.parametrize("exact", ["prefix", "recent", None])
 @pytest.mark.parametrize("batch", [16, 1])
 def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
-    """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles at any
-    batch, the 128-register cap only when the batch fills the GPU (without them two KV heads per
-    program in 168 registers)."""
+    """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles and two KV
+    heads per program in 168 registers, as without them (gpu_checks/session15/call2)."""
     seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("4bit", 8, 128)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -528,9 +548,27 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
         kw["recent_keys"], kw["recent_values"] = recent_ring(layout, batch, 16, torch.float32, "cpu")
     unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
                       max_seq_len=32768, **kw)
-    # the plain format: two KV heads per program in 168 registers
-    want = (128, 168, 2) if exact is None else (128, 128 if batch == 16 else None, 1)
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (128, 168, 2), seen
+    seen.clear()
+    unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
+                      max_seq_len=32768, tuning={"head_pairs": 1}, **kw)  # one head: capped when the batch fills the GPU
+    want = (128 if exact or batch == 16 else 256, 128 if batch == 16 else None, 1)  # plain B=1: 256-token tiles
     assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
+
+
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
+    """FP8 keys with value rotation and the exact buffers (k8v4's defaults) run in 128 registers at any batch on an
+    H200 (B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4); the plain format only from 4 x 8 KV heads."""
+    seen = _capture_gpu_launch(monkeypatch)
+    for levers in (True, False):
+        layout = make_layout("k8v4", 8, 128, value_rotation=levers)
+        pool, table = fill_cache(layout, [64] * batch, "cpu")
+        kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu"))) if levers else {}
+        unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
+                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        assert seen.get("maxnreg") == (128 if levers or batch >= 4 else None), (levers, seen)
+        seen.clear()
 
 
 def test_gpu_value_planes_in_64_row_tiles(monkeypatch):
@@ -646,6 +684,17 @@ def test_decode_batch_filling_the_gpu_gpu(preset):
     layout = make_layout(preset, 8, 128, value_rotation=True)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [16, 2])
+def test_head_pairs_with_format_options_gpu(batch):
+    """The 4bit preset's levers at real size with two KV heads per program (the launcher's default): key means per
+    row and head, value rotation, the exact prefix and ring (at 2 sequences in an exact program of their own)."""
+    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
+    lens = [8192 - 37 * i for i in range(batch)]
+    kw = _fidelity_options(layout, 4, "cuda") | {"key_offset": torch.randn(batch, 8, 128, device="cuda") * 3}
+    _check(layout, lens, 1, 4, dtype=torch.bfloat16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0), **kw)
 
 
 @pytest.mark.gpu
@@ -869,11 +918,24 @@ def test_head_pairs_decode(head_dim, meta_words):
     _check(make_layout("4bit", 4, head_dim, 16), [71, 34], 1, 2, num_splits=3, tuning=tuning)
 
 
+# head pairs under the format options (a GPU's default for the 4bit preset): each row its KV head's key mean, value
+# rotation, both heads' exact prefix and ring (one softmax step per dense tile, each head's dots over its rows),
+# in split programs and in an exact program of their own, per-row key means [B, Hk, D]
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("exact_program", [False, True])
+def test_head_pairs_with_format_options(head_dim, exact_program):
+    layout = make_layout("4bit", 2, head_dim, 16, key_centering=True, value_rotation=True)
+    tuning = {"key_words": True, "head_pairs": 2, "meta_words": True, "exact_program": exact_program}
+    _check_decode_walks(layout, True, tuning)
+    wide = make_layout("4bit", 4, head_dim, 16, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(wide, 2) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, tuning=tuning, **kw)
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(32, 20), tuning=tuning, **kw)
+
+
 def test_head_pairs_refuses_what_it_cannot_pair():
     q = torch.randn(1, 6, 1, 64, device=DEVICE)
-    for layout, kw in ((make_layout("4bit", 3, 64), {}), (make_layout("k8v4", 2, 64), {}),
-                       (make_layout("4bit", 2, 64, key_centering=True, value_rotation=True),
-                        {"key_offset": torch.zeros(2, 64, device=DEVICE)})):
+    for layout, kw in ((make_layout("4bit", 3, 64), {}), (make_layout("k8v4", 2, 64), {})):
         pool, table = fill_cache(layout, [40], DEVICE, key_offset=kw.get("key_offset"))
         qh = q[:, : layout.num_kv_heads * 2]
         with pytest.raises(ValueError, match="head_pairs=2 needs decode"):

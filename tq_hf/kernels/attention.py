@@ -12,15 +12,17 @@ visible to every row of the program skip every mask. Per tile the kernel only un
 walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per
 token after the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte
 permutes (key_lut.py) on codes loaded as [D/2, N], so the lookup lands in the MMA's operand
-layout and the fp16 key tile never goes through shared memory; in the plain format (and with
-centering / value rotation when the batch fills the GPU) as 16-bit code words [D/4, N] (KEY_WORDS: two words of a token per operand register, four dots over
+layout and the fp16 key tile never goes through shared memory; where a program takes two KV heads
+(below), or takes one while the batch fills the GPU without exact buffers, as 16-bit code words [D/4, N]
+(KEY_WORDS: two words of a token per operand register, four dots over
 the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by
 ldmatrix; the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16
 subnormals with the sign bit set from the code, one 8-byte table, the scores scaled once by
-KEY_UNIT); elsewhere the centroids are gathered. In the plain format a program takes two
+KEY_UNIT); elsewhere the centroids are gathered. In that decode a program takes two
 KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
 only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
-trip through shared memory serve both heads. Values use P.V = (P * value_scale) . code + P . bias with
+trip through shared memory serve both heads (the exact tiles likewise: one softmax step, a dot per
+head; each row's q . mu from its head's mean). Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -42,7 +44,9 @@ recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len 
 a dense ring of exact keys/values (position j at slot j % W) and win over the prefix and the
 pool there: the compressed walk (split across the splits) ends at ring_lo, the prefix tile drops
 positions >= ring_lo, and the exact program then walks the ring range in dense tiles of RN
-tokens, scored and accumulated like the prefix (_exact_tile).
+tokens, scored and accumulated like the prefix (_exact_tile). Where the query and the buffers share
+a 16-bit dtype (the cache's case, EXACT_16) the exact scores are that dtype's MMA and the values'
+dots one tf32 pass; else three tf32 passes (fp32 inputs).
 The exact program: in split decode on a GPU with programs to spare, one program more than the
 pool's splits (EXACT_PROG), so the dense tiles run alongside the compressed walks instead of
 after one of them; otherwise split 0 (prefix) and the last split (ring), or without splits the
@@ -331,20 +335,47 @@ def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
 
 
 @triton.jit
-def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k, v_base, s_v, rows, pos, ok, qpos,
-                window, sm_scale, softcap, dc, vcol, D: tl.constexpr, VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr,
-                VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                HAS_SOFTCAP: tl.constexpr):
+def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HP: tl.constexpr, PREC: tl.constexpr):
+    """acc + p . (columns `cols` of the exact values), each of the HP heads' values (s_vh apart) with
+    only its own rows of p; PREC: the dots' input_precision."""
+    for j in tl.static_range(HP):
+        if HP == 1:
+            p_j = p
+        else:
+            p_j = tl.where(sub[:, None] == j, p, 0.0)
+        acc = tl.dot(p_j, _exact_value_cols(v_base + j * s_vh, s_v, rows, ok, cols, col_ok), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_kh, s_k, v_base, s_vh, s_v, rows, pos,
+                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HP: tl.constexpr, EXACT_16: tl.constexpr, D: tl.constexpr,
+                VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
+                PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
     rows `rows` of the buffers hold cache positions `pos`, `ok` marks the real ones. Scores come
     from the unrotated query (exact keys need no q . mu). Values join the code accumulators (4-bit
     values and 3-bit value planes: acc_j's columns vcol are coordinates _value_col(vcol, j), scaled as
     the codes' fp16), or, under value_rotation, acc_x: an accumulator in the original space that the
     epilogue adds after rotating the codes' part back
-    (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a)."""
-    k = tl.load(k_base + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
-    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="tf32x3") * sm_scale
-    s = _log2_logits(s, softcap, HAS_SOFTCAP)
+    (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a).
+    HP KV heads (buffers s_kh / s_vh apart): each head's dots see only its rows (sub), one softmax.
+    EXACT_16: the query and buffers share a 16-bit dtype: the scores by that dtype's MMA (exact products,
+    fp32 sums) and the values' dots in one tf32 pass (p rounded to 11 bits; the values are exact in tf32),
+    instead of three tf32 passes each (offline sm_90a: fewer instructions and spills per ring tile)."""
+    PREC: tl.constexpr = "tf32" if EXACT_16 else "tf32x3"
+    s = None
+    for j in tl.static_range(HP):
+        if HP == 1:
+            q_j = q
+        else:
+            q_j = tl.where(sub[:, None] == j, q, 0.0)
+        k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
+        if EXACT_16:  # q_j holds values of k's dtype (the query's own): exact there
+            s = tl.dot(q_j.to(k.dtype), tl.trans(k), s)
+        else:
+            s = tl.dot(q_j, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
+    s = _log2_logits(s * sm_scale, softcap, HAS_SOFTCAP)
     vis = ok[None, :] & (pos[None, :] <= qpos[:, None])
     if HAS_WINDOW:
         vis = vis & (pos[None, :] > qpos[:, None] - window)
@@ -355,8 +386,7 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
-        acc_x = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc_x * alpha[:, None],
-                       input_precision="tf32x3")
+        acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HP, PREC)
     elif VALUE_BITS == 4 or VALUE_PLANES:
         v_ok = vcol < (D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2)
         # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x),
@@ -364,18 +394,17 @@ def _exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_
         p_lo = p * (5.960464477539063e-08 if (VALUE_WORDS or PLANE_WORDS) else 1.0)
         p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if PLANE_WORDS else
                                                               (1.0 if VALUE_PLANES else 16.0)))
-        acc0 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok),
-                      acc0 * alpha[:, None], input_precision="tf32x3")
-        acc1 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok),
-                      acc1 * alpha[:, None], input_precision="tf32x3")
+        acc0 = _exact_values(p_lo, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
+                             _value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+        acc1 = _exact_values(p_hi, acc1 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
+                             _value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
         if VALUE_WORDS or PLANE_WORDS:
-            acc2 = tl.dot(p_lo, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok),
-                          acc2 * alpha[:, None], input_precision="tf32x3")
-            acc3 = tl.dot(p_hi, _exact_value_cols(v_base, s_v, rows, ok, _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok),
-                          acc3 * alpha[:, None], input_precision="tf32x3")
+            acc2 = _exact_values(p_lo, acc2 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
+                                 _value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+            acc3 = _exact_values(p_hi, acc3 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
+                                 _value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
     else:
-        acc0 = tl.dot(p, _exact_value_cols(v_base, s_v, rows, ok, dc, dc < D), acc0 * alpha[:, None],
-                      input_precision="tf32x3")
+        acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HP, PREC)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc
 
 
@@ -629,6 +658,7 @@ def _attn_kernel(
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
     HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
+    EXACT_16: tl.constexpr,  # the query and the exact buffers share a 16-bit dtype (_exact_tile's dots)
     RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
@@ -713,8 +743,12 @@ def _attn_kernel(
     qp = 0.0
     table = 0.0
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
-        mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)
-        q_mu = tl.sum(q * mu[None, :], axis=1) * sm_scale
+        if HP == 1:
+            mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)[None, :]
+        else:  # each row its KV head's mean
+            mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + (hh * D)[:, None] + dc[None, :], mask=dc[None, :] < D,
+                         other=0.0)
+        q_mu = tl.sum(q * mu, axis=1) * sm_scale
     if KEY_BITS == 4:
         if HADAMARD:  # R not read
             q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
@@ -814,8 +848,8 @@ def _attn_kernel(
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
-    pk_row = pk_ptr + b.to(tl.int64) * s_pkb + h.to(tl.int64) * s_pkh
-    pv_row = pv_ptr + b.to(tl.int64) * s_pvb + h.to(tl.int64) * s_pvh
+    pk_row = pk_ptr + b.to(tl.int64) * s_pkb + (h * HP).to(tl.int64) * s_pkh
+    pv_row = pv_ptr + b.to(tl.int64) * s_pvb + (h * HP).to(tl.int64) * s_pvh
     if POOL32:  # the pool has < 2**31 bytes: addresses as int32 offsets from pool_ptr (fewer 64-bit ops per tile)
         head_off = h * HP * plane_bytes
     else:
@@ -865,21 +899,21 @@ def _attn_kernel(
         if split == exact_split_first:
             pc = tl.arange(0, PP)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
-                q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkp, pv_row, s_pvp,
+                q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkh, s_pkp, pv_row, s_pvh, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, sub, HP, EXACT_16, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
         if split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
-            k_ring = rk_ptr + b.to(tl.int64) * s_rkb + h.to(tl.int64) * s_rkh
-            v_ring = rv_ptr + b.to(tl.int64) * s_rvb + h.to(tl.int64) * s_rvh
+            k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HP).to(tl.int64) * s_rkh
+            v_ring = rv_ptr + b.to(tl.int64) * s_rvb + (h * HP).to(tl.int64) * s_rvh
             for j0 in range(ring_first, kv_hi, RN):  # at most W positions
                 rpos = j0 + tl.arange(0, RN)
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
-                    q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkp, v_ring, s_rvp,
-                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol,
+                    q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkh, s_rkp, v_ring, s_rvh, s_rvp,
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HP, EXACT_16,
                     D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
@@ -1285,8 +1319,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # H200, S=32k plain 4bit, in 168 registers, alternated twice (gpu_checks/session14/call4): B=16 0.2437 -> 0.2320
     # ms, S=128k 0.949 -> 0.880, B=8 0.1359 -> 0.1237, B=4 0.0763 -> 0.0694 (from 2-warp programs); in 128
     # registers (spills) B=16 0.2861, with 2 pipeline stages 0.2635 (call3); with the byte magnitudes (call6) B=2
-    # 0.0481 -> 0.0422 (from 2-warp programs), B=1 0.0337 -> 0.0302 (from 256-token tiles and token pairs)
-    pairs = bool(words) and d == 128 and on_gpu and plain_format and hk % 2 == 0 and rows <= 8
+    # 0.0481 -> 0.0422 (from 2-warp programs), B=1 0.0337 -> 0.0302 (from 256-token tiles and token pairs).
+    # With the levers too (16-bit exact tiles, the block-table prefetch; gpu_checks/session15/call2, main vs branch
+    # alternated twice), the 4bit preset's defaults (centering, value rotation, exact prefix and ring): B=16 0.2990
+    # -> 0.2535 ms, S=128k 1.0799 -> 0.9188, B=4 0.1331 -> 0.0991, B=1 0.0463 -> 0.0382; centering + value
+    # rotation alone B=16 0.2472 -> 0.2261, B=4 0.0867 -> 0.0721, B=1 0.0380 -> 0.0353
+    pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
     hp = tuning.get("head_pairs", 2 if pairs else 1)
     if hp not in (1, 2):
         raise ValueError(f"tuning head_pairs must be 1 or 2, got {hp!r}")
@@ -1304,13 +1342,14 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
             block_n, maxnreg = 128, 128
-        elif cfg.key_bits == 8 and d == 128 and on_gpu and b * hk >= 32:
+        elif cfg.key_bits == 8 and d == 128 and on_gpu and (b * hk >= 32 or not plain_format):
             # FP8 keys in 128 registers from 4 sequences of 8 KV heads: with value rotation the epilogue took
             # 184 (253 with the exact prefix and ring), 2 programs per SM. H200, k8v4 S=32k, outputs
             # bit-identical: B=16 plain 0.2905 -> 0.2853 ms, value rotation 0.4225 -> 0.3001, the preset's
             # defaults 0.4348 -> 0.3659 (gpu_checks/session9/call8); B=8 plain 0.1556 -> 0.1533, defaults
             # 0.2471 -> 0.2171; B=4 plain 0.0876 -> 0.0867, defaults 0.1501 -> 0.1350; B=1 defaults
-            # 0.0584 -> 0.0598, so not there (gpu_checks/session10/call1, call2, call5)
+            # 0.0584 -> 0.0598, so not there (gpu_checks/session10/call1, call2, call5); since the exact tiles' 16-bit
+            # dots, with the levers also at B=1: defaults 0.0467 -> 0.0435 (gpu_checks/session15/call4)
             maxnreg = 128
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
@@ -1370,10 +1409,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # codebook keys: the block-table entries an iteration ahead, so the codes' loads are direct and 3 stages
     # double-buffer them (B=16 4bit 0.2626 -> 0.2575 ms, k3v4 0.4240 -> 0.4107, 3bit 0.6137 -> 0.6032; B=1
     # k3v4 0.0478 -> 0.0434); FP8 keys' larger tiles lose (B=16 k8v4 0.2344 -> 0.2883, B=4 0.0728 -> 0.0958),
-    # and so does the plain format's loop with centering + value rotation (B=16 4bit 0.2725 -> 0.2798, call7:
-    # 893 -> 974 instructions per tile, more spills under the 128-register cap, sm_90a)
+    # and so does the plain format's loop with centering + value rotation in one head per program (B=16 4bit 0.2725
+    # -> 0.2798, call7: 893 -> 974 instructions per tile, more spills under the 128-register cap, sm_90a); with
+    # head pairs (168 registers) it gains there too: B=16 0.2530 -> 0.2260 ms, all levers 0.2714 -> 0.2537, B=1
+    # 0.0377 -> 0.0352; B=4 all levers even, 0.0989 vs 0.0994 (gpu_checks/session15/call2)
     bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook
-                              and not (cfg.key_centering or cfg.value_rotation)))
+                              and (hp == 2 or not (cfg.key_centering or cfg.value_rotation))))
     num_stages = tuning.get("num_stages", 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
@@ -1406,13 +1447,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
-    if hp == 2 and not (key_words and value_words and plain_format and decode and rows <= 8 and block_m == 16
-                        and hk % 2 == 0 and not meta_pairs):
+    if hp == 2 and not (key_words and value_words and decode and rows <= 8 and block_m == 16 and hk % 2 == 0
+                        and not meta_pairs):
         raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head, 16-row tiles) with 4-bit key and "
-                         "value words (key_words, value_words), without meta_pairs, in the plain format (no "
-                         "key_centering, value_rotation, exact prefix or ring) and an even number of KV heads; got "
-                         f"{rows} rows, block_m {block_m}, key_words={key_words}, value_words={value_words}, "
-                         f"meta_pairs={meta_pairs}, plain format {plain_format}, {hk} KV heads")
+                         "value words (key_words, value_words), without meta_pairs, and an even number of KV heads; "
+                         f"got {rows} rows, block_m {block_m}, key_words={key_words}, value_words={value_words}, "
+                         f"meta_pairs={meta_pairs}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
@@ -1439,6 +1479,15 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     exact_prog = bool(tuning.get("exact_program", not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
 
+    # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (_exact_tile); not bf16 under the
+    # interpreter, whose bf16 dots return garbage (ENVIRONMENT.md): the GPU tests check those
+    exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and _runs_ptx(pool.device))) and all(
+        x.dtype == query.dtype for x in (prefix_keys, prefix_values, recent_keys, recent_values) if x is not None)
+
+    ring_n = tuning.get("ring_n", min(32, max(16, next_pow2(recent_size))) if on_gpu else 16)  # ring tile, tokens
+    if ring_n not in (16, 32, 64, 128):
+        raise ValueError(f"tuning ring_n must be 16, 32, 64 or 128 tokens, got {ring_n!r}")
+
     workspace_numel = 0
     partial_rows = b * hk * ns_all * (block_m // hp)
     if split:
@@ -1456,12 +1505,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
         EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
+        EXACT_16=exact16,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and _runs_ptx(pool.device), KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
         LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=min(32, max(16, next_pow2(recent_size))) if on_gpu else 16,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=ring_n,
         HP=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
