@@ -1336,7 +1336,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # levers: 0.053 vs 0.061 ms and 0.056 vs 0.062 in two runs; plain keeps 256: 0.040 vs 0.046)
             block_n = 128
         if hp == 2 and words:
-            block_n, maxnreg = 128, 168
+            # with the levers uncapped: in 168 registers their state spilled through the walk (108 bytes per thread,
+            # sm_90a). H200, the 4bit preset's defaults, S=32k, 168 -> uncapped (gpu_checks/session15/call6): B=16
+            # 0.2516 -> 0.2220 ms, S=128k 0.913 -> 0.818, B=4 0.0993 -> 0.0887, B=1 0.0372 -> 0.0351; centering + value
+            # rotation B=16 0.2262 -> 0.2145; the plain format even (0.2139 vs 0.2129; session 14: 0.2320 vs 0.2346)
+            block_n, maxnreg = 128, (168 if plain_format else None)
         elif words and d == 128 and batch_fills_gpu:
             # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
