@@ -933,6 +933,8 @@ def test_head_pairs_with_format_options(head_dim, exact_program):
     kw = _fidelity_options(wide, 2) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
     _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, tuning=tuning, **kw)
     _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(32, 20), tuning=tuning, **kw)
+    # with a softcap q . mu joins each score before the cap (not the row offset)
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=2, softcap=5.0, tuning=tuning, **kw)
 
 
 def test_head_pairs_refuses_what_it_cannot_pair():
