@@ -657,11 +657,12 @@ def test_decode_32k_gpu(preset, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
                                     {"block_n": 64, "maxnreg": 128}, {"pool32": False}, {"head_pairs": 1},
-                                    {"head_pairs": 1, "key_words": False, "maxnreg": 128}])
+                                    {"head_pairs": 1, "key_words": False, "maxnreg": 128},
+                                    {"head_pairs": 4, "num_stages": 2, "maxnreg": None}])
 def test_decode_key_lookup_variants_gpu(tuning):
     """16 sequences x 8 KV heads (the launcher's head pairs in 168 registers) and the other variants of 4-bit
     key decoding against the reference: the code words' byte magnitudes, the byte-code lookup, the gather, tile
-    lengths, int64 addresses, one head per program."""
+    lengths, int64 addresses, one head per program, four (2 stages, uncapped: 92 KB of shared memory, sm_90a)."""
     layout = make_layout("4bit", 8, 128)
     lens = [8192 - 37 * i for i in range(16)]
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)
@@ -945,10 +946,35 @@ def test_head_pairs_refuses_what_it_cannot_pair():
         with pytest.raises(ValueError, match="head_pairs=2 needs decode"):
             unified_attention(qh, pool, layout, table, torch.tensor([41], device=DEVICE), 0.1,
                               tuning={"head_pairs": 2, "key_words": layout.config.key_bits == 4})
-    with pytest.raises(ValueError, match="head_pairs must be 1 or 2"):
+    with pytest.raises(ValueError, match="head_pairs must be 1, 2 or 4"):
         layout = make_layout("4bit", 2, 64)
         pool, table = fill_cache(layout, [40], DEVICE)
-        unified_attention(q[:, :4], pool, layout, table, torch.tensor([41], device=DEVICE), 0.1, tuning={"head_pairs": 4})
+        unified_attention(q[:, :4], pool, layout, table, torch.tensor([41], device=DEVICE), 0.1, tuning={"head_pairs": 3})
+    quads = {"head_pairs": 4, "key_words": True}
+    for heads, group, q_len in ((2, 2, 1), (4, 8, 1), (4, 2, 3)):  # 2 KV heads; 8 or 6 rows of a head (> 4)
+        layout = make_layout("4bit", heads, 64)
+        pool, table = fill_cache(layout, [40], DEVICE)
+        with pytest.raises(ValueError, match="head_pairs=4 needs decode \\(<= 4 rows per KV head"):
+            unified_attention(torch.randn(1, heads * group, q_len, 64, device=DEVICE), pool, layout, table,
+                              torch.tensor([41], device=DEVICE), 0.1, tuning=quads)
+
+
+# four KV heads per program (head_pairs=4, a tuning: rows 0-3, 4-7, 8-11, 12-15 of the 16-row tile), as the pairs'
+# tests: masked and causal tiles, splits, windows, sinks, softcap, Lq 2, 8 KV heads, the format options with the
+# exact prefix and ring in split programs and in an exact program of their own
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_head_quads_decode(head_dim):
+    tuning = {"key_words": True, "head_pairs": 4, "meta_words": True, "vmid_chain": True, "bt_next": True}
+    layout = make_layout("4bit", 4, head_dim, 16)
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, softcap=5.0)
+    _check(layout, [71, 34], 2, 2, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
+    _check(layout, [50], 1, 3, num_splits=2, tuning=tuning, sinks=torch.randn(12, device=DEVICE))
+    _check(make_layout("4bit", 8, head_dim, 16), [71, 34], 1, 4, tuning=tuning)
+    opts = make_layout("4bit", 4, head_dim, 16, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(opts, 4) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
+    for exact_program in (False, True):
+        _check(opts, [71, 40], 1, 4, prefix_len=4, recent=(16, 0), num_splits=3,
+               tuning=tuning | {"exact_program": exact_program}, **kw)
 
 
 def test_key_words_refuses_what_it_cannot_decode():

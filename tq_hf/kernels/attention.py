@@ -22,7 +22,9 @@ KEY_UNIT); elsewhere the centroids are gathered. In that decode a program takes 
 KV heads (HP = 2): their query rows share one 16-row tile (rows 0-7, 8-15), each head's dots see
 only its rows (the query and P zero elsewhere), so the softmax, its cross-warp reductions and P's
 trip through shared memory serve both heads (the exact tiles likewise: one softmax step, a dot per
-head; each row's q . mu from its head's mean). Values use P.V = (P * value_scale) . code + P . bias with
+head; each row's q . mu from its head's mean). tuning head_pairs=4 takes four (rows 0-3, 4-7, 8-11,
+12-15; <= 4 rows per head): offline 591 instead of 655 instructions per head and 128-token tile
+(sm_90a, 2 stages, uncapped), not yet timed on a GPU. Values use P.V = (P * value_scale) . code + P . bias with
 bias_t = value_mid_t - value_scale_t * (2**bits - 1) / 2, a rank-1 term; in decode tiles 4-bit
 value codes are loaded as 16-bit words (two tokens per MMA operand register) and decoded as fp16
 subnormals (value_nibbles.py) into four accumulators, elsewhere as bytes into two. The per-token
@@ -250,11 +252,14 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
 
 @triton.jit
 def _pair_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
-               WORDS: tl.constexpr, sub):
-    """_load_meta of two KV heads (the second's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
+               WORDS: tl.constexpr, sub, HP: tl.constexpr):
+    """_load_meta of HP KV heads (each one's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
     the row's head; the selection is a function of the register, so it folds)."""
-    return tl.where(sub[:, None] == 0, _load_meta(pool_ptr, plane, field, off, T, META, mask, WORDS)[None, :],
-                    _load_meta(pool_ptr, plane + plane_bytes, field, off, T, META, mask, WORDS)[None, :])
+    out = _load_meta(pool_ptr, plane, field, off, T, META, mask, WORDS)[None, :]
+    for j in tl.static_range(1, HP):
+        out = tl.where(sub[:, None] == j, _load_meta(pool_ptr, plane + j * plane_bytes, field, off, T, META, mask,
+                                                     WORDS)[None, :], out)
+    return out
 
 
 @triton.jit
@@ -528,8 +533,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if META_PAIRS:
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
-    elif HP == 2:
-        k_scale = _pair_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub)
+    elif HP > 1:
+        k_scale = _pair_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub, HP)
     else:
         k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
@@ -541,23 +546,23 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
     if not HAS_SOFTCAP:
         # log2 logits = row_scale * (s * k_scale) + q_mu: the per-row factor and offset enter the
         # row max and the exp2's FFMA instead of every score (H200, B=16 S=32k, all levers: 0.440 -> 0.425 ms)
-        x = tl.where(vis, s * (k_scale if HP == 2 else k_scale[None, :]), -float("inf"))
+        x = tl.where(vis, s * (k_scale if HP > 1 else k_scale[None, :]), -float("inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1) * row_scale + row_off)
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(x * row_scale[:, None] + (row_off - m_use)[:, None])
         alpha = tl.exp2(m_i - m_use)
         m_i = m_new
     else:
-        s = s * row_scale[:, None] * (k_scale if HP == 2 else k_scale[None, :])
+        s = s * row_scale[:, None] * (k_scale if HP > 1 else k_scale[None, :])
         if HAS_KEY_OFFSET:
             s = s + q_mu[:, None]
         s = _log2_logits(s, softcap, HAS_SOFTCAP)
         p, alpha, m_i = _softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if HP == 2:
-        v_scale = _pair_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub)
-        v_mid = _pair_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub)
+    if HP > 1:
+        v_scale = _pair_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub, HP)
+        v_mid = _pair_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub, HP)
         sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
     else:  # [N] fields (expanded at each use: as the pipeliner and the register allocation were measured)
         if not META_PAIRS:
@@ -673,7 +678,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
-    HP: tl.constexpr,  # KV heads per program: 2 puts two heads' query rows in one MMA tile (rows BLOCK_M/2 apart)
+    HP: tl.constexpr,  # KV heads per program: 2 (4) put their query rows in one MMA tile, BLOCK_M/HP rows apart
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -1186,7 +1191,8 @@ def unified_attention(
     "meta_pairs" (per-token metadata loaded as 32-bit words of two tokens),
     "meta_words" (else each token's metadata from its pair's 32-bit word), "vmid_chain" (v_mid's load made
     one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
-    "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take)}).
+    "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take), "key_words" (4-bit keys as 16-bit
+    code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
@@ -1326,8 +1332,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # rotation alone B=16 0.2472 -> 0.2261, B=4 0.0867 -> 0.0721, B=1 0.0380 -> 0.0353
     pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
     hp = tuning.get("head_pairs", 2 if pairs else 1)
-    if hp not in (1, 2):
-        raise ValueError(f"tuning head_pairs must be 1 or 2, got {hp!r}")
+    if hp not in (1, 2, 4):
+        raise ValueError(f"tuning head_pairs must be 1, 2 or 4, got {hp!r}")
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
@@ -1335,7 +1341,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # with exact prefix/ring buffers 128-token tiles also at small batch (H200, B=1 S=32k, all
             # levers: 0.053 vs 0.061 ms and 0.056 vs 0.062 in two runs; plain keeps 256: 0.040 vs 0.046)
             block_n = 128
-        if hp == 2 and words:
+        if hp > 1 and words:
             # with the levers uncapped: in 168 registers their state spilled through the walk (108 bytes per thread,
             # sm_90a). H200, the 4bit preset's defaults, S=32k, 168 -> uncapped (gpu_checks/session15/call6): B=16
             # 0.2516 -> 0.2220 ms, S=128k 0.913 -> 0.818, B=4 0.0993 -> 0.0887, B=1 0.0372 -> 0.0351; centering + value
@@ -1418,7 +1424,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # head pairs (168 registers) it gains there too: B=16 0.2530 -> 0.2260 ms, all levers 0.2714 -> 0.2537, B=1
     # 0.0377 -> 0.0352; B=4 all levers even, 0.0989 vs 0.0994 (gpu_checks/session15/call2)
     bt_next = bool(tuning.get("bt_next", meta_words and cfg.uses_codebook
-                              and (hp == 2 or not (cfg.key_centering or cfg.value_rotation))))
+                              and (hp > 1 or not (cfg.key_centering or cfg.value_rotation))))
     num_stages = tuning.get("num_stages", 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
     # rotation="hadamard": the query's rotation (and the 3-bit bit stream values' output rotation) built in
     # registers (hadamard_dot), not read.
@@ -1444,19 +1450,19 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # halve the asm's lookups: offline 1,504 -> 1,310 instructions per tile of two heads; H200, trees alternated
     # twice (call5): B=16 0.2313 -> 0.2138 ms, 128k 0.882 -> 0.807, B=8 0.1251 -> 0.1161, B=4 0.0698 -> 0.0654
     kbytes = config_lut_bytes(cfg, d) if words else None  # the word asm's magnitude bytes (reference.on_byte_grid)
-    key_words = bool(tuning.get("key_words", kbytes is not None and (hp == 2 or (batch_fills_gpu and not (prefix_len
+    key_words = bool(tuning.get("key_words", kbytes is not None and (hp > 1 or (batch_fills_gpu and not (prefix_len
                                                                                                          or recent_size)))))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)
                           and (kbytes is not None or words is None)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
                          f"or 256, got {rows} rows, {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} "
                          f"keys, head_dim {d}")
-    if hp == 2 and not (key_words and value_words and decode and rows <= 8 and block_m == 16 and hk % 2 == 0
-                        and not meta_pairs):
-        raise ValueError("tuning head_pairs=2 needs decode (<= 8 rows per KV head, 16-row tiles) with 4-bit key and "
-                         "value words (key_words, value_words), without meta_pairs, and an even number of KV heads; "
-                         f"got {rows} rows, block_m {block_m}, key_words={key_words}, value_words={value_words}, "
-                         f"meta_pairs={meta_pairs}, {hk} KV heads")
+    if hp > 1 and not (key_words and value_words and decode and rows <= 16 // hp and block_m == 16 and hk % hp == 0
+                       and not meta_pairs):
+        raise ValueError(f"tuning head_pairs={hp} needs decode (<= {16 // hp} rows per KV head, 16-row tiles) with "
+                         "4-bit key and value words (key_words, value_words), without meta_pairs, and a KV head count "
+                         f"divisible by {hp}; got {rows} rows, block_m {block_m}, key_words={key_words}, "
+                         f"value_words={value_words}, meta_pairs={meta_pairs}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
     kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
