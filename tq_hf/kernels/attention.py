@@ -251,7 +251,7 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
 
 
 @triton.jit
-def _pair_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
+def _heads_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
                WORDS: tl.constexpr, sub, HP: tl.constexpr):
     """_load_meta of HP KV heads (each one's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
     the row's head; the selection is a function of the register, so it folds)."""
@@ -534,7 +534,7 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         k_scale, v_scale, v_mid = _meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
     elif HP > 1:
-        k_scale = _pair_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub, HP)
+        k_scale = _heads_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub, HP)
     else:
         k_scale = _load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
@@ -561,8 +561,8 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
     if HP > 1:
-        v_scale = _pair_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub, HP)
-        v_mid = _pair_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub, HP)
+        v_scale = _heads_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub, HP)
+        v_mid = _heads_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub, HP)
         sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, _add_pairs)
     else:  # [N] fields (expanded at each use: as the pipeliner and the register allocation were measured)
         if not META_PAIRS:
