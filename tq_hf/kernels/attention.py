@@ -252,7 +252,7 @@ def _load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META:
 
 @triton.jit
 def _heads_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
-               WORDS: tl.constexpr, sub, HP: tl.constexpr):
+                WORDS: tl.constexpr, sub, HP: tl.constexpr):
     """_load_meta of HP KV heads (each one's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
     the row's head; the selection is a function of the register, so it folds)."""
     out = _load_meta(pool_ptr, plane, field, off, T, META, mask, WORDS)[None, :]
