@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m eval.bench_decode_variants", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--points", default="16x32768,1x32768", help="comma-separated BxS")
-    ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup)")
+    ap.add_argument("--presets", default="4bit", help="comma-separated presets (4-bit codebook keys use the lookup); "
+                                                      "bench_kernels' suffixes +opts / +defaults (the exact buffers too)")
     ap.add_argument("--sweep", choices=["tiles", "levers", "lookups", "splits", "warps", "warps2", "narrow"], default="tiles")
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--out", default="eval/results/decode_variants")
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             layout = BlockLayout(make_config(preset), hk, d)
             mu = _key_offset(layout)
             pool, table = _fill_pool(layout, b, s, key_offset=mu)
+            extra = exact_buffers(layout, b, layout.config.exact_prefix_tokens, layout.config.recent_window)  # +defaults
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                     variant = {**variant, "num_splits": _default_splits(q, pool, layout, table, seq, s) * variant["split_factor"]}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
-                                                     tuning=tuning, num_splits=variant.get("num_splits"), key_offset=mu)
+                                                     tuning=tuning, num_splits=variant.get("num_splits"), key_offset=mu,
+                                                     **extra)
                     ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
                 except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
                     rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
