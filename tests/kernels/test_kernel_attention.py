@@ -923,14 +923,14 @@ def test_head_pairs_decode(head_dim, meta_words):
 
 # head pairs under the format options (a GPU's default for the 4bit preset): each row its KV head's key mean, value
 # rotation, both heads' exact prefix and ring (one softmax step per dense tile, each head's dots over its rows),
-# in split programs and in an exact program of their own, per-row key means [B, Hk, D]
-@pytest.mark.parametrize("head_dim", [64, 128])
+# in split programs and in an exact program of their own, per-row key means [B, Hk, D], cache blocks of 16-64 tokens
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (64, 64)])
 @pytest.mark.parametrize("exact_program", [False, True])
-def test_head_pairs_with_format_options(head_dim, exact_program):
-    layout = make_layout("4bit", 2, head_dim, 16, key_centering=True, value_rotation=True)
+def test_head_pairs_with_format_options(head_dim, block_size, exact_program):
+    layout = make_layout("4bit", 2, head_dim, block_size, key_centering=True, value_rotation=True)
     tuning = {"key_words": True, "head_pairs": 2, "meta_words": True, "exact_program": exact_program}
     _check_decode_walks(layout, True, tuning)
-    wide = make_layout("4bit", 4, head_dim, 16, key_centering=True, value_rotation=True)
+    wide = make_layout("4bit", 4, head_dim, block_size, key_centering=True, value_rotation=True)
     kw = _fidelity_options(wide, 2) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
     _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, tuning=tuning, **kw)
     _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(32, 20), tuning=tuning, **kw)
