@@ -337,7 +337,7 @@ def test_exact_buffers_reject_bad_inputs(kind, letter, limit):
 
 
 # ---- recent_window: positions [max(recent_from, S - W), S) read from a ring, pool poisoned there ----
-# decode on the split path (the exact program, or the splits, walk the ring), GQA 4, left padding; row 0 (3 tokens) is
+# decode on the split path (the exact program, or the last split, walks the ring), GQA 4, left padding; row 0 (3 tokens) is
 # all ring and overlaps the P=2 prefix; W=40 makes row 1's ring cover its padding and prefix too;
 # recent_from=35 (after a crop) leaves row 0 no ring and row 1 two ring positions
 @pytest.mark.parametrize("preset,options,prefix_len,recent,dtype", [
@@ -354,11 +354,9 @@ def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
     if recent[0] > 16:  # the ring in 32-token tiles (a GPU's; the interpreter's default is 16)
         _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
                kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"ring_n": 32}, **kw)
-    # without the exact program (a full GPU's choice): the ring's tiles shared out over the splits, or all on the last
-    for spread in (True, False):
-        _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
-               kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"exact_program": False, "ring_spread": spread},
-               **kw)
+    # without the exact program (a full GPU's choice): the last split walks the ring
+    _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"exact_program": False}, **kw)
 
 
 def test_ring_tile_refused():
@@ -557,12 +555,12 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
                       max_seq_len=32768, **kw)
     assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (128, None if exact else 168, 2), seen
     seen.clear()
-    # S=32k: split decode; a batch that fills the GPU has no exact program, each split walks a share of the ring
+    # S=32k: split decode; a batch that fills the GPU has no exact program (the last split walks the ring: its tiles
+    # shared out over the splits measured slower, gpu_checks/session16/call2)
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
     unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, long_table, torch.full((batch,), 32768), 0.1,
                       max_seq_len=32768, **kw)
-    assert (seen["SPLIT"], seen["EXACT_PROG"], seen["RING_SPREAD"]) == (
-        True, exact is not None and batch == 1, exact == "recent" and batch == 16), seen
+    assert (seen["SPLIT"], seen["EXACT_PROG"]) == (True, exact is not None and batch == 1), seen
     seen.clear()
     unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
                       max_seq_len=32768, tuning={"head_pairs": 1}, **kw)  # one head: capped when the batch fills the GPU

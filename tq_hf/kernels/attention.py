@@ -679,7 +679,6 @@ def _attn_kernel(
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
     HP: tl.constexpr,  # KV heads per program: 2 (4) put their query rows in one MMA tile, BLOCK_M/HP rows apart
-    RING_SPREAD: tl.constexpr,  # the ring's tiles shared out over the splits (else the last split walks them all)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -908,20 +907,13 @@ def _attn_kernel(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkh, s_pkp, pv_row, s_pvh, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
                 dc, vcol, sub, HP, EXACT_16, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
-    # the recent window: its positions in dense RN-token tiles, walked by the last split (or the exact program), or
-    # with RING_SPREAD a share of the tiles by each split (the split that took them all set the wave's end)
+    # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
-        if RING_SPREAD or split == exact_split_last:
+        if split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
-            ring_end = kv_hi
-            if RING_SPREAD:
-                r_per = tl.maximum(tl.cdiv(kv_hi - ring_first, RN), 0)
-                r_per = tl.cdiv(r_per, num_splits)  # ring tiles per split
-                ring_first = ring_first + split * r_per * RN
-                ring_end = tl.minimum(ring_first + r_per * RN, kv_hi)
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HP).to(tl.int64) * s_rkh
             v_ring = rv_ptr + b.to(tl.int64) * s_rvb + (h * HP).to(tl.int64) * s_rvh
-            for j0 in range(ring_first, ring_end, RN):  # at most W positions
+            for j0 in range(ring_first, kv_hi, RN):  # at most W positions
                 rpos = j0 + tl.arange(0, RN)
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = _exact_tile(
@@ -1200,8 +1192,7 @@ def unified_attention(
     "meta_words" (else each token's metadata from its pair's 32-bit word), "vmid_chain" (v_mid's load made
     one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take), "key_words" (4-bit keys as 16-bit
-    code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens), "ring_spread" (split
-    decode without the exact program: each split walks a share of the recent window's tiles, else the last all)}).
+    code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
@@ -1497,7 +1488,6 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # (2 x B x Hk >= SMs) the extra programs cost a partial second wave: 0.52 -> 0.60 ms, so not there.
     exact_prog = bool(tuning.get("exact_program", not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
-    ring_spread = bool(tuning.get("ring_spread", split and recent_size > 0)) and not exact_prog
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (_exact_tile); not bf16 under the
     # interpreter, whose bf16 dots return garbage (ENVIRONMENT.md): the GPU tests check those
@@ -1532,7 +1522,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=ring_n,
-        HP=hp, RING_SPREAD=ring_spread, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        HP=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return _AttentionPlan(
         layout=layout, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n, num_stages=num_stages,
