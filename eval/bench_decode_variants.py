@@ -1,6 +1,6 @@
 """Decode kernel variants side by side: tile shapes (--sweep tiles) or format levers (--sweep levers).
 
-For each (B, S) at 32/8/128, times fp16 SDPA and every variant of the decode (CUDA-graph replays,
+For each (B, S) at 32/8/128 (or --shape), times fp16 SDPA and every variant of the decode (CUDA-graph replays,
 L2 flushed, medians). tiles: KV tile length x warps over the same pool, each output checked
 against the launcher's defaults (max |diff|: only the summation order differs). levers: the
 plain 4-bit format, then key centering + value rotation, the 4 exact leading tokens and the
@@ -161,13 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variants", help="tiles sweep: a Python dict literal {name: tuning} instead of VARIANTS, "
                                        "e.g. \"{'default': {}, 'no bt': {'bt_next': False}}\"")
     ap.add_argument("--rounds", type=int, default=1, help="tiles sweep: time the variants this many times, alternated")
+    ap.add_argument("--shape", default="32/8/128", help="query heads / KV heads / head_dim, e.g. 9/3/64 (SmolLM2's)")
     args = ap.parse_args(argv)
     variants = ast.literal_eval(args.variants) if args.variants else VARIANTS
     from tq_hf.config import TurboQuantConfig
     from tq_hf.kernels import unified_attention
     from tq_hf.layout import BlockLayout
 
-    hq, hk, d = 32, 8, 128
+    hq, hk, d = (int(x) for x in args.shape.split("/"))
     flush = _flush_buffer()
     rows = []
     for point in args.points.split(","):
@@ -253,13 +254,13 @@ def main(argv: list[str] | None = None) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps({"meta": run_metadata("eval.bench_decode_variants", argv),
-                                                      "rows": rows}, indent=1))
+                                                      "shape": args.shape, "rows": rows}, indent=1))
     table_rows = [[r["B"], r["S"], r["preset"], r["variant"],
                    f"{r['ms']:.4f}" if "ms" in r else r["error"][:60],
                    f"{r['ratio_vs_fp16']:.2f}" if "ms" in r else "", f"{r['GBps']:.0f}" if "ms" in r else "",
                    f"{r['max_abs_diff_vs_first']:.1e}" if "ms" in r else ""] for r in rows]
     text = markdown_table(["B", "S", "preset", "variant", "ms", "x fp16", "GB/s", "max|diff|"], table_rows)
-    (out_dir / "table.md").write_text(text)
+    (out_dir / "table.md").write_text(f"Hq/Hk/D {args.shape}\n\n{text}")
     print(text)
 
 
