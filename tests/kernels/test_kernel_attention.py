@@ -475,16 +475,18 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
     unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
-    if head_dim != 128:  # measured slower at head_dim 64 (9/3/64): the gather and the old tiles; FP8 uncapped
-        lookup, maxnreg = False, None
+    if head_dim != 128:  # head_dim 64 (9/3/64 sweeps, gpu_checks/session16): 4-bit decode by the code words in 168
+        # registers on 256-token tiles; FP8 keys uncapped in the plain format; 3-bit keys gathered (no planes at 64)
+        lookup = preset == "4bit" and q_len == 1
+        maxnreg = 168 if lookup else None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     # two KV heads per program: 4-bit lookup decode (any batch; the levers too, below)
-    head_pairs = lookup and preset == "4bit"
+    head_pairs = lookup and preset == "4bit" and head_dim == 128
     assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
     assert seen["num_warps"] == 4, seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
-    key_words = head_pairs or (lookup and preset == "4bit" and batch >= 16)  # measured there
+    key_words = head_pairs or (lookup and preset == "4bit" and (batch >= 16 or head_dim == 64))  # measured there
     assert seen["KEY_WORDS"] == key_words, seen
     if key_words:
         assert "prmt.b32 c, $4, $4, 0x3120" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
@@ -499,6 +501,8 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, words or planes), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
+    if head_dim == 64:  # there the 4-bit code words' decode and FP8 keys', when the batch leaves SMs free
+        pairs = q_len == 1 and batch < 16 and preset in ("4bit", "k8v4")
     # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
     # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
     meta_words = not pairs and q_len == 1 and head_dim == 128
@@ -517,13 +521,15 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
         assert (seen["KEY_WORDS"], seen["HP"]) == (key_words, 2 if head_pairs else 1), seen
         assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped (session15/call6)
         seen.clear()
-    if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words)
+    if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words) at
+        # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers (gpu_checks/session16/call5)
         pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
         unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           prefix_keys=pk, prefix_values=pk)
-        assert (seen["KEY_WORDS"], seen["HP"], seen["EXACT_16"]) == (True, 2, False), seen  # fp32 query: 3 tf32 passes
+        assert (seen["KEY_WORDS"], seen["HP"], seen["EXACT_16"]) == (True, 2 if head_dim == 128 else 1, False), seen
+        assert head_dim == 128 or (seen["BLOCK_N"], seen["maxnreg"]) == (256, 168), seen  # fp32 query: 3 tf32 passes
         seen.clear()
         unified_attention(q.half(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
                           prefix_keys=pk, prefix_values=pk)
@@ -580,6 +586,31 @@ def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
         unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == (128 if levers or batch >= 4 else None), (levers, seen)
+        seen.clear()
+
+
+@pytest.mark.parametrize("batch", [1, 16, 48])
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+def test_gpu_head_dim_64_decode_choices(monkeypatch, preset, batch):
+    """SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) on an H200: 4-bit keys by the code words on
+    256-token tiles in 168 registers, FP8 keys uncapped (128 registers with the levers); both with token-pair
+    metadata while the batch leaves SMs free (2 x 48 x 3 KV heads fill the H200's 132; gpu_checks/session16)."""
+    seen = _capture_gpu_launch(monkeypatch)
+    for levers in (False, True):
+        layout = make_layout(preset, 3, 64, key_centering=levers, value_rotation=levers)
+        pool, table = fill_cache(layout, [64] * batch, "cpu")
+        kw = {}
+        if levers:
+            kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu")))
+            kw.update(zip(("recent_keys", "recent_values"), recent_ring(layout, batch, 128, torch.float16, "cpu")),
+                      recent_from=0, key_offset=torch.zeros(batch, 3, 64))
+        unified_attention(torch.randn(batch, 9, 1, 64, dtype=torch.float16), pool, layout, table,
+                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        words = preset == "4bit"
+        want = (words, words, 256 if words else 128, 168 if words else (128 if levers and batch < 48 else None),
+                batch < 48, 1)
+        got = (seen["KEY_LUT"], seen["KEY_WORDS"], seen["BLOCK_N"], seen.get("maxnreg"), seen["META_PAIRS"], seen["HP"])
+        assert got == want, (levers, seen)
         seen.clear()
 
 
@@ -801,6 +832,20 @@ def test_recent_window_cuda_graph_capture_gpu():
 
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [48, 16, 2])
+@pytest.mark.parametrize("levers", [False, True])
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+def test_head_dim_64_decode_gpu(preset, levers, batch):
+    """SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) at real size with the launcher's choices there
+    (test_gpu_head_dim_64_decode_choices): the 4-bit code words on 256-token tiles, FP8 keys' token-pair metadata,
+    plain and with the presets' levers (key means, value rotation, sinks, the exact prefix and ring)."""
+    layout = make_layout(preset, 3, 64, key_centering=levers, value_rotation=levers)
+    lens = [8192 - 37 * i for i in range(batch)]
+    kw = (_fidelity_options(layout, 3, "cuda") | dict(prefix_len=4, recent=(128, 0))) if levers else {}
+    _check(layout, lens, 1, 3, dtype=torch.float16, device="cuda", max_seq_len=8192, **kw)
+
+
 # Triton 3.6 on the H200 gave wrong results and illegal accesses for 64-row tiles at head_dim 32/64
 # (fixed by the launcher's row-tile cap); these are the shapes of that sweep, plain and with every lever.
 @pytest.mark.gpu
@@ -908,12 +953,21 @@ def _check_decode_walks(layout, options: bool, tuning: dict) -> None:
 
 
 # 4-bit keys as 16-bit code words, 4 dots over coordinate sets (a GPU's lookup layout; gathered here): odd kv_start,
-# splits, windows, GQA 4 and 3, the format options with the exact prefix and ring, both metadata loads
+# splits, windows, GQA 4 and 3, the format options with the exact prefix and ring, each metadata load (token pairs:
+# a GPU's choice at head_dim 64)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("options", [False, True])
-def test_key_words_decode(head_dim, options):
+@pytest.mark.parametrize("meta", [None, "meta_words", "meta_pairs"])
+def test_key_words_decode(head_dim, options, meta):
     layout = make_layout("4bit", 2, head_dim, 16, key_centering=options, value_rotation=options)
-    _check_decode_walks(layout, options, {"key_words": True, "meta_words": options})
+    _check_decode_walks(layout, options, {"key_words": True} | ({meta: True} if meta else {}))
+
+
+# FP8 keys with their metadata as token pairs (a GPU's choice at head_dim 64 while the batch leaves SMs free)
+@pytest.mark.parametrize("options", [False, True])
+def test_fp8_keys_meta_pairs_decode(options):
+    layout = make_layout("k8v4", 2, 64, 16, key_centering=options, value_rotation=options)
+    _check_decode_walks(layout, options, {"meta_pairs": True})
 
 
 # two KV heads per program (head_pairs=2, a GPU's default in the plain format): their query rows in one tile, masked

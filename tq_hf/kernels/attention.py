@@ -1307,10 +1307,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     tuning = tuning or {}
     sms = _num_sms(pool.device)
     batch_fills_gpu = 2 * b * hk >= sms  # one decode program per (row, KV head) would fill half the SMs
-    # 4-bit codebook keys decode by byte permutes (key_lut.py) in decode launches that run PTX, at
-    # head_dim 128: at 64 the lookup measured slower than the gather (H200, 9/3/64: 0.187 vs 0.130 ms
-    # at B=16 S=32k, eval/results/kernels_bench_session4_lookup_d64.md); other head_dims are unmeasured
-    wants_lut = tuning.get("key_lut", d == 128)
+    # 4-bit codebook keys decode by byte permutes (key_lut.py) in decode launches that run PTX, at head_dim 128
+    # and, as code words (key_words), at 64: there the byte lookup of session 4 measured slower than the gather
+    # (H200, 9/3/64 B=16 S=32k: 0.187 vs 0.130 ms, eval/results/kernels_bench_session4_lookup_d64.md), the code
+    # words with their byte magnitudes faster (gpu_checks/session16/call4, call5: B=16 0.1136 -> 0.0773 ms, B=4
+    # 0.0392 -> 0.0296, B=1 0.0190 -> 0.0174, S=128k 0.409 -> 0.265); other head_dims are unmeasured
+    wants_lut = tuning.get("key_lut", d in (64, 128))
     words = config_lut_words(cfg, d) if decode and _runs_ptx(pool.device) and wants_lut else None
     # 3-bit codebook keys stored as 8 code planes (layout.key_planes): one dot per plane, decoded by
     # key_lut.py's byte permutes under the same conditions as the 4-bit lookup
@@ -1337,7 +1339,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     if decode:  # memory-bound: long KV tiles, few rows; defaults from the H200 sweeps (eval.bench_decode_variants)
         block_m = max(16, next_pow2(rows))
         block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
-        if words and (prefix_len or recent_size):
+        if words and d == 128 and (prefix_len or recent_size):
             # with exact prefix/ring buffers 128-token tiles also at small batch (H200, B=1 S=32k, all
             # levers: 0.053 vs 0.061 ms and 0.056 vs 0.062 in two runs; plain keeps 256: 0.040 vs 0.046)
             block_n = 128
@@ -1347,6 +1349,19 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # 0.2516 -> 0.2220 ms, S=128k 0.913 -> 0.818, B=4 0.0993 -> 0.0887, B=1 0.0372 -> 0.0351; centering + value
             # rotation B=16 0.2262 -> 0.2145; the plain format even (0.2139 vs 0.2129; session 14: 0.2320 vs 0.2346)
             block_n, maxnreg = 128, (168 if plain_format else None)
+        elif words and d == 64:
+            # 4-bit code words at head_dim 64 (key_words below) in 168 registers, 256-token tiles also with the exact
+            # prefix and ring. H200, 9/3/64 S=32k, the 4bit preset's defaults (gpu_checks/session16/call5): B=16
+            # 0.1252 ms (gather) -> 0.0901 (0.1106 in 128-token tiles, 0.1194 uncapped, 0.1003 in 128 registers),
+            # B=4 0.0420 -> 0.0342, B=1 0.0240 -> 0.0225, S=128k 0.423 -> 0.280; the plain format even (0.0773 vs
+            # 0.0768 uncapped)
+            maxnreg = 168
+        elif cfg.key_bits == 8 and d == 64 and on_gpu and not batch_fills_gpu:
+            # FP8 keys at head_dim 64 with their metadata as token pairs (meta_pairs below), in 128 registers under
+            # the levers (uncapped they took 1.3-1.5x as long). H200, 9/3/64 S=32k (gpu_checks/session16/call5):
+            # plain B=16 0.1210 -> 0.1010 ms, B=4 0.0422 -> 0.0371, S=128k 0.431 -> 0.353, B=1 0.0182 -> 0.0179;
+            # the preset's defaults B=16 0.1284 -> 0.1187, B=4 0.0440 -> 0.0396, S=128k 0.460 -> 0.426, B=1 even
+            maxnreg = None if plain_format else 128
         elif words and d == 128 and batch_fills_gpu:
             # the batch alone nearly fills the GPU: shorter tiles in 128 registers, 4 programs per SM
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
@@ -1403,8 +1418,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # token pairs, which the pipeliner prefetches, and 3 stages (H200, S=32k 4bit: B=1 0.0396 -> 0.0370 ms, B=4
     # 0.0983 -> 0.0916; at B=16 the pairs' address arithmetic costs more than their latency hides: 0.307 ->
     # 0.332; k8v4 at B=1 0.041 -> 0.049 and 9/3/64 4bit at B=16 0.120 -> 0.163 with them:
-    # eval/results/gpu_checks/session6/README.md)
-    meta_pairs = bool(tuning.get("meta_pairs", words is not None and on_gpu and not batch_fills_gpu and hp == 1))
+    # eval/results/gpu_checks/session6/README.md). Since then, at head_dim 64 with the code words and for FP8 keys
+    # there, they gain (B=16 9/3/64 k8v4 0.1210 -> 0.1010 ms; the 4bit figures above are words with pairs:
+    # gpu_checks/session16/call5); at head_dim 64 with batches that fill the GPU they are unmeasured (off)
+    meta_pairs = bool(tuning.get("meta_pairs", (words is not None or (cfg.key_bits == 8 and d == 64)) and on_gpu
+                                 and not batch_fills_gpu and hp == 1))
     # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched by the pipeliner):
     # Nsight Compute (H200, B=16 S=32k 4bit) put 15% of the stall samples on the 2-byte loads' latency;
     # B=16 S=32k 4bit 0.2867 -> 0.2663 ms, k8v4 0.2790 -> 0.2528 (gpu_checks/session13/call3); at head_dim
@@ -1450,8 +1468,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # halve the asm's lookups: offline 1,504 -> 1,310 instructions per tile of two heads; H200, trees alternated
     # twice (call5): B=16 0.2313 -> 0.2138 ms, 128k 0.882 -> 0.807, B=8 0.1251 -> 0.1161, B=4 0.0698 -> 0.0654
     kbytes = config_lut_bytes(cfg, d) if words else None  # the word asm's magnitude bytes (reference.on_byte_grid)
-    key_words = bool(tuning.get("key_words", kbytes is not None and (hp > 1 or (batch_fills_gpu and not (prefix_len
-                                                                                                         or recent_size)))))
+    key_words = bool(tuning.get("key_words", kbytes is not None and (hp > 1 or d == 64 or (
+        batch_fills_gpu and not (prefix_len or recent_size)))))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)
                           and (kbytes is not None or words is None)):
         raise ValueError(f"tuning key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim 64, 128 "
