@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
                 out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
                 tuning = {k: v for k, v in variant.items() if k not in ("num_splits", "split_factor")}
                 if "split_factor" in variant:  # the launcher's split count for these arguments, scaled
-                    variant = {**variant, "num_splits": _default_splits(q, pool, layout, table, seq, s) * variant["split_factor"]}
+                    variant = {**variant, "num_splits": max(1, int(_default_splits(q, pool, layout, table, seq, s)
+                                                                   * variant["split_factor"]))}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
                                                      tuning=tuning, num_splits=variant.get("num_splits"), key_offset=mu,
