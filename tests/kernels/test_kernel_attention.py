@@ -577,7 +577,8 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
 @pytest.mark.parametrize("batch", [1, 2, 16])
 def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
     """FP8 keys with value rotation and the exact buffers (k8v4's defaults) run in 128 registers at any batch on an
-    H200 (B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4); the plain format only from 4 x 8 KV heads."""
+    H200 (B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4); the plain format only from 4 x 8 KV heads. Their exact
+    program walks the ring in 16-token tiles (gpu_checks/session16/call7)."""
     seen = _capture_gpu_launch(monkeypatch)
     for levers in (True, False):
         layout = make_layout("k8v4", 8, 128, value_rotation=levers)
@@ -587,6 +588,14 @@ def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == (128 if levers or batch >= 4 else None), (levers, seen)
         seen.clear()
+    # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles
+    layout = make_layout("k8v4", 8, 128, value_rotation=True)
+    pool, table = fill_cache(layout, [64] * batch, "cpu")
+    ring = recent_ring(layout, batch, 128, torch.float16, "cpu")
+    long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
+    unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, long_table,
+                      torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
+    assert (seen["EXACT_PROG"], seen["RN"]) == ((True, 16) if batch < 16 else (False, 32)), seen
 
 
 @pytest.mark.parametrize("batch", [1, 16, 48])

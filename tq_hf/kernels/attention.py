@@ -1512,7 +1512,13 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and _runs_ptx(pool.device))) and all(
         x.dtype == query.dtype for x in (prefix_keys, prefix_values, recent_keys, recent_values) if x is not None)
 
-    ring_n = tuning.get("ring_n", min(32, max(16, next_pow2(recent_size))) if on_gpu else 16)  # ring tile, tokens
+    ring_n = min(32, max(16, next_pow2(recent_size)))  # the recent window's tile, tokens
+    if exact_prog and cfg.key_bits == 8 and d == 128:
+        # FP8 keys' exact program on 16-token ring tiles: H200, k8v4 with its defaults, 32/8/128, two rounds
+        # (gpu_checks/session16/call7): B=1 S=32k 0.0437 -> 0.0417 ms, B=2 0.0600 -> 0.0580, S=128k 0.0878 -> 0.0862;
+        # for 4-bit keys within 1% either way (B=1 0.0342 -> 0.0345), at head_dim 64 slower for them (+3.6%)
+        ring_n = 16
+    ring_n = tuning.get("ring_n", ring_n if on_gpu else 16)
     if ring_n not in (16, 32, 64, 128):
         raise ValueError(f"tuning ring_n must be 16, 32, 64 or 128 tokens, got {ring_n!r}")
 
