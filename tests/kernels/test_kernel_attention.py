@@ -574,7 +574,7 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
     assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
 
 
-@pytest.mark.parametrize("batch", [1, 2, 16])
+@pytest.mark.parametrize("batch", [1, 2, 4, 16])
 def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
     """FP8 keys with value rotation and the exact buffers (k8v4's defaults) run in 128 registers at any batch on an
     H200 (B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4); the plain format only from 4 x 8 KV heads. Their exact
@@ -588,14 +588,15 @@ def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == (128 if levers or batch >= 4 else None), (levers, seen)
         seen.clear()
-    # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles
+    # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles up to 2 x 8
+    # KV heads (at 4 x 8 slower, gpu_checks/session16/call8)
     layout = make_layout("k8v4", 8, 128, value_rotation=True)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     ring = recent_ring(layout, batch, 128, torch.float16, "cpu")
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
     unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, long_table,
                       torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
-    assert (seen["EXACT_PROG"], seen["RN"]) == ((True, 16) if batch < 16 else (False, 32)), seen
+    assert (seen["EXACT_PROG"], seen["RN"]) == (batch < 16, 16 if batch <= 2 else 32), seen
 
 
 @pytest.mark.parametrize("batch", [1, 16, 48])

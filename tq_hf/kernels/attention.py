@@ -1513,10 +1513,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         x.dtype == query.dtype for x in (prefix_keys, prefix_values, recent_keys, recent_values) if x is not None)
 
     ring_n = min(32, max(16, next_pow2(recent_size)))  # the recent window's tile, tokens
-    if exact_prog and cfg.key_bits == 8 and d == 128:
-        # FP8 keys' exact program on 16-token ring tiles: H200, k8v4 with its defaults, 32/8/128, two rounds
-        # (gpu_checks/session16/call7): B=1 S=32k 0.0437 -> 0.0417 ms, B=2 0.0600 -> 0.0580, S=128k 0.0878 -> 0.0862;
-        # for 4-bit keys within 1% either way (B=1 0.0342 -> 0.0345), at head_dim 64 slower for them (+3.6%)
+    if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
+        # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads: H200, k8v4 with its defaults, 32/8/128,
+        # two rounds each (gpu_checks/session16/call7, call8): B=1 S=32k 0.0437 -> 0.0417 ms (call 8: 0.0443 ->
+        # 0.0423), B=2 0.0600 -> 0.0580 (0.0605 -> 0.0585), B=1 S=128k 0.0878 -> 0.0862; B=4 slower (0.1005 ->
+        # 0.1031); for 4-bit keys within 1% either way (B=1 0.0342 -> 0.0345), at head_dim 64 slower for them
         ring_n = 16
     ring_n = tuning.get("ring_n", ring_n if on_gpu else 16)
     if ring_n not in (16, 32, 64, 128):
