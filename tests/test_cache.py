@@ -257,6 +257,25 @@ def test_pool_is_exact_after_prefill_and_grows_geometrically():
     assert 2 <= reallocations <= 8
 
 
+def test_decode_steps_reuse_one_slot_buffer():
+    """A decode step's slots go into a persistent buffer (no allocation per step; a new one only with a grown pool);
+    the stored tokens stay exact."""
+    cache, expected = new_cache(), Expected(new_cache().tq_config)
+    layer = cache.layers[0]
+    k, v = kv(2, 37)
+    cache.update(k, v, 0)
+    expected.add(k, v)
+    kept, pools = [], set()  # the slot tensors kept alive, so no address is reused
+    for _ in range(40):  # across block boundaries and a pool growth (exact after the prefill: 3 blocks)
+        k, v = kv(2, 1)
+        kept.append(layer._slots(layer.length, 1))
+        pools.add(layer.pool.data_ptr())
+        cache.update(k, v, 0)
+        expected.add(k, v)
+    assert len({t.data_ptr() for t in kept}) == len(pools) == 2
+    expected.check(layer, "after 40 decode steps")
+
+
 def fp16_dynamic_bytes(layers, rows, tokens, kv_heads, head_dim) -> int:
     cache = DynamicCache()
     for i in range(layers):

@@ -361,6 +361,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.block_table = blocks[None, :] * self.rows + rows[:, None]
         self.seq_lens = torch.full((self.rows,), self.length, dtype=torch.int32, device=self.device)
         self._row_slots = rows.long() * self.layout.block_size  # slot of (block 0, offset 0) of each row
+        self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
     def _slots(self, start: int, count: int) -> torch.Tensor:
         """Slots [rows * count] (row-major) of positions start .. start + count - 1 of every row.
@@ -368,8 +369,8 @@ class TurboQuantLayer(CacheLayerMixin):
         Position p of row r: block (p // T) * rows + r, offset p % T.
         """
         t = self.layout.block_size
-        if count == 1:  # decode: one add to a persistent buffer
-            return self._row_slots + ((start // t) * self.rows * t + start % t)
+        if count == 1:  # decode: one add into a persistent buffer (the store reads it before the next step's add)
+            return torch.add(self._row_slots, (start // t) * self.rows * t + start % t, out=self._step_slots)
         pos = torch.arange(start, start + count, device=self.device)
         return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
 
