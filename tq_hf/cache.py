@@ -150,12 +150,11 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.layout.config.key_centering and self.key_offset is None:
             self.key_offset = _key_mean(key_states)  # per row and KV head, over the first tokens
             self._recenter_pending = not dense  # the "turboquant" attention refines it once padding is known
+        # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
+        recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset)
-        if self.recent_keys is not None:
-            self._write_recent(key_states, value_states, start)
+                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
         self.length = start + new
-        self.seq_lens.fill_(self.length)
 
         exact = was_empty and self.layout.config.prefill_attention == "exact"
         # padding known so far (none at a first prefill: the prefix then counts from position 0; the
@@ -267,19 +266,6 @@ class TurboQuantLayer(CacheLayerMixin):
         self.key_offset = _key_mean(key_states, real)
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
                   self._slots(start, new), key_offset=self.key_offset)
-
-    def _write_recent(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
-        """Put the last min(new, W) new tokens into the ring (position p at slot p % W): slice copies,
-        no index tensors, so a decode step costs two small copies."""
-        w, new = self.recent_keys.shape[2], key_states.shape[2]
-        m = min(new, w)
-        first = start + new - m
-        slot = first % w
-        head = min(m, w - slot)
-        for ring, src in ((self.recent_keys, key_states), (self.recent_values, value_states)):
-            ring[:, :, slot : slot + head].copy_(src[:, :, new - m : new - m + head])
-            if m > head:
-                ring[:, :, : m - head].copy_(src[:, :, new - m + head :])
 
     def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Copy the new tokens that are among each row's first P real tokens into the exact prefix.

@@ -277,6 +277,9 @@ def store(
     value: torch.Tensor,
     slots: torch.Tensor,
     key_offset: torch.Tensor | None = None,
+    recent: tuple[torch.Tensor, torch.Tensor] | None = None,
+    start: int = 0,
+    seq_lens: torch.Tensor | None = None,
 ) -> None:
     """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
 
@@ -284,7 +287,14 @@ def store(
     `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
     [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
     cache lays out an update).
+    `recent`: the exact ring (recent_keys, recent_values) [R, H, W, D] of recent_window: each row's last min(L, W)
+    tokens (of its L = N / R, at positions start .. start + L - 1) are copied there as they are, position p at
+    slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
     """
+    if recent is not None:
+        write_recent(recent, key, value, start)
+    if seq_lens is not None:
+        seq_lens.fill_(start + key.shape[0] // max(seq_lens.shape[0], 1))
     cfg = layout.config
     key_offset = per_token_offset(key_offset, key.shape[0])
     if key_offset is not None and key_offset.dim() == 3:
@@ -301,6 +311,22 @@ def store(
     meta[block, :, KEY_SCALE, offset] = k_scale
     meta[block, :, VALUE_SCALE, offset] = v_scale
     meta[block, :, VALUE_MID, offset] = v_mid
+
+
+def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
+                 start: int) -> None:
+    """The last min(L, W) of each row's L new tokens (key/value [R * L, H, D], row-major; row r's token t at position
+    start + t) into the ring (keys, values) [R, H, W, D] at slot position % W, in the ring's dtype."""
+    ring_k, ring_v = recent
+    rows, w = ring_k.shape[0], ring_k.shape[2]
+    if rows == 0 or key.shape[0] % rows:
+        raise ValueError(f"a ring of {rows} rows needs a token count divisible by it, got {key.shape[0]}")
+    length = key.shape[0] // rows
+    m = min(length, w)
+    idx = (start + torch.arange(length - m, length, device=ring_k.device)) % w
+    for ring, x in ((ring_k, key), (ring_v, value)):
+        src = x.reshape(rows, length, *x.shape[1:])[:, length - m :]  # [R, m, H, D]
+        ring[:, :, idx] = src.transpose(1, 2).to(ring.dtype)
 
 
 def per_token_offset(key_offset: torch.Tensor | None, tokens: int) -> torch.Tensor | None:

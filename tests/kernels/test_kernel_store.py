@@ -99,6 +99,59 @@ def test_store_per_row_key_offset_matches_reference(preset):
         store_kv(got, layout, key[:20], value[:20], slots[:20], key_offset=mu)
 
 
+# the exact ring (recent_window) and the rows' lengths written by the same launch: a decode step (one token per row),
+# prefills shorter and longer than the ring (wrapping), a ring in another dtype than the tokens
+@pytest.mark.parametrize("rows,length,w,start,dtype,ring_dtype", [
+    (3, 1, 16, 37, torch.float16, torch.float16),
+    (2, 23, 32, 5, torch.bfloat16, torch.bfloat16),
+    (2, 40, 16, 9, torch.float32, torch.float32),
+    (1, 7, 8, 0, torch.bfloat16, torch.float32),
+])
+def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype, ring_dtype):
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    n = rows * length
+    key = (torch.randn(n, 2, 64, device=DEVICE) * 3).to(dtype)
+    value = torch.randn(n, 2, 64, device=DEVICE).to(dtype)
+    slots = torch.randperm(n + 20, device=DEVICE)[:n]
+    mu = torch.randn(rows, 2, 64, device=DEVICE)
+    ring = torch.full((rows, 2, w, 64), 1234.0, dtype=ring_dtype, device=DEVICE)  # poison: untouched slots keep it
+    got_ring, want_ring = (ring.clone(), ring.clone() * 2), (ring.clone(), ring.clone() * 2)
+    got_len = torch.full((rows,), -7, dtype=torch.int32, device=DEVICE)
+    want_len = got_len.clone()
+    got = layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5)
+    want = got.clone()
+    store_kv(got, layout, key, value, slots, key_offset=mu, recent=got_ring, start=start, seq_lens=got_len)
+    reference.store(want, layout, key, value, slots, key_offset=mu, recent=want_ring, start=start, seq_lens=want_len)
+    compare_pools(got, want, layout, key.float() - mu.repeat_interleave(length, 0), slots, value=value)
+    for g, e, what in ((got_ring[0], want_ring[0], "keys"), (got_ring[1], want_ring[1], "values")):
+        bad = (g != e).nonzero()
+        assert bad.numel() == 0, f"ring {what}: {bad.shape[0]} elements differ, first at {bad[:3].tolist()}"
+    written = min(length, w)  # the spec wrote this many slots per row and head; the rest still hold the poison
+    assert int((want_ring[0] != 1234.0).any(-1).sum()) == rows * 2 * written
+    assert got_len.tolist() == want_len.tolist() == [start + length] * rows
+
+
+def test_store_ring_and_lengths_rejected_when_they_do_not_fit():
+    layout = make_layout("4bit", 2, 64)
+    pool = layout.allocate(4, DEVICE)
+    k = torch.randn(6, 2, 64, device=DEVICE)
+    s = torch.arange(6, device=DEVICE)
+    ring = torch.zeros(4, 2, 8, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="a ring or seq_lens of 4 rows needs a token count divisible by it, got 6"):
+        store_kv(pool, layout, k, k, s, recent=(ring, ring))
+    with pytest.raises(ValueError, match="recent keys must be"):
+        store_kv(pool, layout, k, k, s, recent=(ring[:, :1], ring[:, :1]))
+    with pytest.raises(ValueError, match="one shape"):
+        store_kv(pool, layout, k, k, s, recent=(ring[:3], ring[:2]))
+    with pytest.raises(TypeError, match="seq_lens has dtype"):
+        store_kv(pool, layout, k, k, s, seq_lens=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="seq_lens has 2 rows but the recent ring 3"):
+        store_kv(pool, layout, k, k, s, recent=(ring[:3], ring[:3]), seq_lens=torch.zeros(2, dtype=torch.int32,
+                                                                                        device=DEVICE))
+    with pytest.raises(ValueError, match="start must be an int >= 0"):
+        store_kv(pool, layout, k, k, s, recent=(ring[:3], ring[:3]), start=-1)
+
+
 def test_store_non_contiguous_inputs_and_int32_slots():
     layout = make_layout("4bit", 2, 64)
     n = 19

@@ -156,7 +156,8 @@ def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
     return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
 
 
-@triton.jit
+# ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
+@triton.jit(do_not_specialize=["ring_start", "new_len"])
 def _store_kernel(
     key_ptr, stride_kn, stride_kh,  # [N, H, D] fp16/bf16/fp32, last dim contiguous
     val_ptr, stride_vn, stride_vh,  # [N, H, D]
@@ -168,6 +169,9 @@ def _store_kernel(
     koff_ptr, s_koff, tokens_per_row,  # fp32 key_centering mean [H, D] (s_koff 0) or [R, H, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (stored = v @ Rv^T), if VALUE_ROT
     N, block_bytes, plane_bytes,
+    rk_ptr, rv_ptr, s_rb, s_rh, s_rw, ring_w,  # [R, H, W, D] exact recent ring (keys, values), if HAS_RING
+    ring_start,  # the position of each row's first new token (token n: row n // tokens_per_row)
+    seq_ptr, new_len,  # [R] int32 row lengths, set to new_len, if HAS_SEQ
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
     KEY_PLANES: tl.constexpr,  # 3-bit keys as code planes (layout.key_planes)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes)
@@ -176,6 +180,7 @@ def _store_kernel(
     HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
     SYMMETRIC: tl.constexpr,  # 4-bit codebook exactly symmetric in fp32: _bucket_sign_magnitude
     HADAMARD: tl.constexpr,  # rotation="hadamard": rotations built in registers (hadamard_dot), R / Rv not read
+    HAS_RING: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -196,9 +201,22 @@ def _store_kernel(
     cmask = ok[:, None] & (cols[None, :] < D)
     hmask = ok[:, None] & (hc[None, :] < D // 2)
     gmask = ok[:, None] & (g[None, :] < D // 8)
+    # the exact ring (recent_window): each row's last min(L, W) new tokens as they are, position p at slot p % W
+    t_row = n % tokens_per_row
+    in_ring = (n < N) & (t_row >= tokens_per_row - ring_w)
+    rmask = in_ring[:, None] & (cols[None, :] < D)
+    ring_off = ((n // tokens_per_row).to(tl.int64) * s_rb + h * s_rh
+                + ((ring_start + t_row) % tl.maximum(ring_w, 1)).to(tl.int64) * s_rw)[:, None] + cols[None, :]
 
     if part == 0:
         # ---------------- keys ----------------
+        if HAS_RING:
+            raw = tl.load(kbase[:, None] + cols[None, :], mask=rmask)
+            tl.store(rk_ptr + ring_off, raw.to(rk_ptr.dtype.element_ty), mask=rmask)
+        if HAS_SEQ:  # the rows' new lengths, by each row's last token (the keys' programs of head 0)
+            if h == 0:
+                last = (n < N) & (t_row == tokens_per_row - 1)
+                tl.store(seq_ptr + n // tokens_per_row, tl.zeros_like(n) + new_len, mask=last)
         x = tl.load(kbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
         if HAS_KEY_OFFSET:
             krow = (n // tokens_per_row).to(tl.int64) * s_koff + h * D  # token n of row n // tokens_per_row
@@ -245,6 +263,9 @@ def _store_kernel(
         _store_meta(plane, 0, off, T, META, kscale_bits, ok)
     else:
         # ---------------- values ----------------
+        if HAS_RING:
+            raw = tl.load(vbase[:, None] + cols[None, :], mask=rmask)
+            tl.store(rv_ptr + ring_off, raw.to(rv_ptr.dtype.element_ty), mask=rmask)
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         HALF: tl.constexpr = LEVELS / 2
         if VALUE_BITS == 4:
@@ -285,19 +306,26 @@ def _store_kernel(
 
 
 def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-             key_offset: torch.Tensor | None = None, tuning: dict | None = None) -> None:
+             key_offset: torch.Tensor | None = None, tuning: dict | None = None,
+             recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+             seq_lens: torch.Tensor | None = None) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
 
     Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
-    row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config);
-    one kernel launch, no host synchronisation.
+    row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config;
+    recent: the exact ring [R, H, W, D] that gets each row's last new tokens, their positions counted from
+    `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
     tuning: launch overrides for benchmarks ({"block_t", "num_warps"}).
     """
-    plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset)),
-            tuple(sorted(tuning.items())) if tuning else None, _store_kernel)
+    ring_k, ring_v = recent if recent is not None else (None, None)
+    plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset, ring_k, ring_v, seq_lens)),
+                tuple(sorted(tuning.items())) if tuning else None, _store_kernel)
     plan = _PLANS.get(plan_key)
     if plan is None or plan.layout is not layout:
-        plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, tuning))
+        plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k, ring_v,
+                                               seq_lens))
+    if type(start) is not int or start < 0:
+        raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
     if plan.site is None:  # no tokens
         return
     if key_offset is not None:
@@ -310,6 +338,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
             pool,
             plan.rot, plan.cent, plan.bnd,
             key_offset if key_offset is not None else plan.cent, *plan.scalars,
+            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *plan.ring_scalars,
+            start, seq_lens if seq_lens is not None else slots, start + plan.tokens_per_row,
         )
 
 
@@ -322,13 +352,40 @@ class _StorePlan:
     cent: torch.Tensor
     bnd: torch.Tensor
     scalars: tuple  # (s_koff, tokens_per_row, vrot, n, block_bytes, plane_bytes)
+    ring_scalars: tuple  # the ring's (batch, head, slot) strides and W (zeros without a ring)
+    tokens_per_row: int
     site: LaunchSite | None  # None: no tokens to store
 
 
 _PLANS = PlanCache()
 
 
-def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePlan:
+def _check_ring(ring_k, ring_v, seq_lens, layout, key, device) -> int | None:
+    """The row count the ring and seq_lens imply (None: neither given), after checking them."""
+    rows = None
+    if ring_k is not None:
+        for name, t in (("recent keys", ring_k), ("recent values", ring_v)):
+            check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
+            if t.shape[1] != layout.num_kv_heads or t.shape[3] != layout.head_dim or t.shape[2] < 1:
+                raise ValueError(f"{name} must be [rows, {layout.num_kv_heads}, W >= 1, {layout.head_dim}] for this "
+                                 f"layout, got {list(t.shape)}")
+        if ring_v.shape != ring_k.shape or ring_v.stride() != ring_k.stride() or ring_k.stride(-1) != 1:
+            raise ValueError(f"recent keys and values must have one shape and the same strides, contiguous in "
+                             f"head_dim, got {list(ring_k.shape)} {ring_k.stride()} and {list(ring_v.shape)} "
+                             f"{ring_v.stride()}")
+        rows = ring_k.shape[0]
+    if seq_lens is not None:
+        check_tensor("seq_lens", seq_lens, dim=1, dtypes=(torch.int32,), device=device)
+        if rows is not None and seq_lens.shape[0] != rows:
+            raise ValueError(f"seq_lens has {seq_lens.shape[0]} rows but the recent ring {rows}")
+        rows = seq_lens.shape[0]
+    if rows is not None and (rows == 0 or key.shape[0] % rows):
+        raise ValueError(f"a ring or seq_lens of {rows} rows needs a token count divisible by it, got {key.shape[0]}")
+    return rows
+
+
+def _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k=None, ring_v=None,
+               seq_lens=None) -> _StorePlan:
     check_layout_pool(pool, layout)
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, dim=3, dtypes=ACTIVATION_DTYPES, device=pool.device)
@@ -344,12 +401,17 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
             f"key, value and slots must agree on N, got {key.shape[0]}, {value.shape[0]}, {slots.shape[0]}"
         )
     key_offset, s_koff = check_key_offset(key_offset, layout, pool.device)
+    rows = _check_ring(ring_k, ring_v, seq_lens, layout, key, pool.device)
     n = key.shape[0]
     tokens_per_row = max(n, 1)
     if s_koff:
         if n % key_offset.shape[0]:
             raise ValueError(f"a per-row key_offset of {key_offset.shape[0]} rows needs N divisible by it, got N={n}")
+        if rows is not None and key_offset.shape[0] != rows:
+            raise ValueError(f"key_offset has {key_offset.shape[0]} rows but the ring / seq_lens {rows}")
         tokens_per_row = max(n // key_offset.shape[0], 1)
+    if rows is not None:
+        tokens_per_row = max(n // rows, 1)
     assert (KEY_SCALE, VALUE_SCALE, VALUE_MID) == (0, 1, 2)  # field order used by _store_meta
     cfg, d = layout.config, layout.head_dim
     rot, cent, bnd, _ = codec_tensors(layout, str(pool.device))
@@ -376,7 +438,10 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning) -> _StorePla
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t, HADAMARD=cfg.rotation == "hadamard",
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
+            HAS_RING=ring_k is not None, HAS_SEQ=seq_lens is not None,
             num_warps=num_warps,
         ))
-    return _StorePlan(layout=layout, rot=rot, cent=cent, bnd=bnd, site=site,
+    ring_scalars = (*ring_k.stride()[:3], ring_k.shape[2]) if ring_k is not None else (0, 0, 0, 0)
+    return _StorePlan(layout=layout, rot=rot, cent=cent, bnd=bnd, site=site, ring_scalars=ring_scalars,
+                      tokens_per_row=n // rows if rows else n,
                       scalars=(s_koff, tokens_per_row, vrot, n, layout.block_bytes, layout.plane_bytes))
