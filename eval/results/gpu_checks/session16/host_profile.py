@@ -1,7 +1,7 @@
 """Session 16: where the host time of a B=1, S=32k generate() decode step goes (random-init Llama-3.1-8B shapes,
 8 layers, fp16). Per cache: ms/token as eval.speed measures it (StepClock, median), then cProfile over the decode
 steps only (enabled by the logits processor after the prefill), top functions by own and cumulative time.
-    python eval/results/gpu_checks/session16/host_profile.py [caches] [new_tokens]"""
+    python eval/results/gpu_checks/session16/host_profile.py [caches] [new_tokens] [noprof]"""
 import cProfile
 import io
 import pstats
@@ -36,7 +36,7 @@ class Profiled(StepClock):
 for name in caches:
     spec = common.cache_spec(name)
     common.set_attention(model, spec.attn_implementation)
-    for profiled in (False, False, True):
+    for profiled in (False, False) + ((True,) if "noprof" not in sys.argv else ()):
         prof = cProfile.Profile()
         clock = Profiled(prof) if profiled else StepClock("cuda")
         with torch.inference_mode():
@@ -46,6 +46,8 @@ for name in caches:
         prof.disable()
         gaps = [1e3 * (b - a) for a, b in zip(clock.stamps, clock.stamps[1:])]
         print(f"{name} {'profiled' if profiled else 'timed'}: decode ms/token median {statistics.median(gaps):.3f}")
+    if "noprof" in sys.argv:
+        continue
     steps = new_tokens - 3
     s = io.StringIO()
     st = pstats.Stats(prof, stream=s)
