@@ -4,6 +4,6 @@
 set -uo pipefail
 export HF_HUB_OFFLINE=1
 HP=$PWD/eval/results/gpu_checks/session16/host_profile.py
-for T in .scratch/base . .scratch/base .; do
+for T in .scratch/base .; do
   echo "== $T"; PYTHONPATH=$T timeout 45 python3 $HP 4bit-all 24 noprof 2>&1 | grep "ms/token"
 done
