@@ -1333,6 +1333,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     # -> 0.2535 ms, S=128k 1.0799 -> 0.9188, B=4 0.1331 -> 0.0991, B=1 0.0463 -> 0.0382; centering + value
     # rotation alone B=16 0.2472 -> 0.2261, B=4 0.0867 -> 0.0721, B=1 0.0380 -> 0.0353
     pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
+    # four heads per program (tuning head_pairs=4) measured slower at every batch: S=32k B=16 0.2131 -> 0.2283 ms
+    # plain, 0.2225 -> 0.2594 with the levers, B=1 0.0297 -> 0.0346 (gpu_checks/session16/call1)
     hp = tuning.get("head_pairs", 2 if pairs else 1)
     if hp not in (1, 2, 4):
         raise ValueError(f"tuning head_pairs must be 1, 2 or 4, got {hp!r}")
