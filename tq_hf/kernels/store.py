@@ -353,7 +353,7 @@ class _StorePlan:
     bnd: torch.Tensor
     scalars: tuple  # (s_koff, tokens_per_row, vrot, n, block_bytes, plane_bytes)
     ring_scalars: tuple  # the ring's (batch, head, slot) strides and W (zeros without a ring)
-    tokens_per_row: int
+    tokens_per_row: int  # L: the new tokens of each row (N / R; N without rows); their new length is start + L
     site: LaunchSite | None  # None: no tokens to store
 
 
@@ -443,5 +443,5 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k=None,
         ))
     ring_scalars = (*ring_k.stride()[:3], ring_k.shape[2]) if ring_k is not None else (0, 0, 0, 0)
     return _StorePlan(layout=layout, rot=rot, cent=cent, bnd=bnd, site=site, ring_scalars=ring_scalars,
-                      tokens_per_row=n // rows if rows else n,
+                      tokens_per_row=tokens_per_row,
                       scalars=(s_koff, tokens_per_row, vrot, n, layout.block_bytes, layout.plane_bytes))
