@@ -45,8 +45,9 @@ def captured_launches():
 
     saved = (attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_site, store._store_kernel)
 
-    def launch(grid, args, constants, block_n, num_stages):
+    def launch(grid, args, constants, block_n, num_stages, kernel=None):
         seen["attention"] = (args, {**constants, "BLOCK_N": block_n, "num_stages": num_stages})
+        seen["attention_kernel"] = kernel or attention._attn_kernel
 
     attention._launch, attention._tuned_for_gpu, attention._runs_ptx = launch, lambda device: True, lambda device: True
     attention.reduce_site, store._store_kernel = (lambda *a, **k: lambda *args: None), Recorder("store")
@@ -115,7 +116,7 @@ def variants(presets: list[str], head_dims: list[int], modes=("decode", "prefill
                 store_kv(pool, layout, kv, kv, torch.arange(rows * 5), key_offset=extra.get("key_offset"))
         args, kwargs = seen["attention"]
         yield f"attention {mode} {tag} (BLOCK_M {kwargs['BLOCK_M']}, BLOCK_N {kwargs['BLOCK_N']})", \
-            attention._attn_kernel, args, kwargs
+            seen["attention_kernel"], args, kwargs
         if mode == "decode":
             yield f"store {tag}", real_store, *seen["store"]
 

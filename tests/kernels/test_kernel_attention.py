@@ -419,15 +419,17 @@ def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, hea
 
 def _capture_gpu_launch(monkeypatch) -> dict:
     """Make launches on the CPU take an H200's choices (PTX included) and capture, not run, them:
-    the returned dict fills with the kernel's constants and BLOCK_N at the next launch."""
-    from tq_hf.kernels import attention as attention_kernel
+    the returned dict fills with the kernel's constants and BLOCK_N at the next launch. The unified kernel's
+    choices: decode_warps' one-warp kernel only where tuning asks (its choices: test_kernel_decode_warps.py)."""
+    from tq_hf.kernels import attention as attention_kernel, decode_warps
 
     seen = {}
     monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
     monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
-    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages: seen.update(
-        constants, BLOCK_N=bn, STAGES=stages, GRID=grid))
+    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages, kernel=None: seen.update(
+        constants, BLOCK_N=bn, STAGES=stages, GRID=grid, KERNEL=kernel or attention_kernel._attn_kernel))
     monkeypatch.setattr(attention_kernel, "reduce_site", lambda *a, **k: lambda *args: None)
+    monkeypatch.setattr(decode_warps, "wanted", lambda tuning, *args: bool(tuning.get("warp_split")))
     return seen
 
 

@@ -999,24 +999,25 @@ def _step_downs(block_n: int, num_stages: int, ring_n: int | None) -> list[tuple
     return out
 
 
-def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int) -> LaunchSite:
+def _launch(grid: tuple, args: tuple, constants: dict, block_n: int, num_stages: int, kernel=None) -> LaunchSite:
     """Launch, stepping down (_step_downs) when a variant needs more shared memory than the GPU has
     (e.g. 3-bit codes with dense exact tiles at head_dim 128). The failure is raised before
     anything is enqueued, so a retry is safe, also under CUDA-graph capture; the variant that fits
     is remembered, so later calls launch once. Returns the launch site of the variant that ran."""
-    key = (tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
+    kernel = kernel or _attn_kernel
+    key = (kernel, tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
     ring_n = constants["RN"] if constants.get("HAS_RECENT") else None
     tries = [_FITTED[key]] if key in _FITTED else _step_downs(block_n, num_stages, ring_n)
     for i, (bn, stages, rn) in enumerate(tries):
         variant = dict(constants if rn is None else {**constants, "RN": rn}, BLOCK_N=bn, num_stages=stages)
         try:
-            compiled = _attn_kernel[grid](*args, **variant)
+            compiled = kernel[grid](*args, **variant)
         except triton.runtime.errors.OutOfResources:
             if i == len(tries) - 1:
                 raise
             continue
         _FITTED[key] = (bn, stages, rn)
-        site = LaunchSite(_attn_kernel, grid, variant)
+        site = LaunchSite(kernel, grid, variant)
         site.adopt(compiled, len(args))
         return site
 
@@ -1050,6 +1051,13 @@ def split_partials(device: torch.device, pout_numel: int, numel: int) -> tuple[t
         buf = split_workspace(device, numel)
         views = _PARTIALS[key] = (buf[:pout_numel], buf[pout_numel:numel])
     return views
+
+
+def check_workspace(workspace: torch.Tensor | None, numel: int, device: torch.device) -> None:
+    """A caller's split scratch buffer must be fp32 on the pool's device with room for `numel` elements."""
+    if workspace is not None and (workspace.dtype != torch.float32 or workspace.device != device
+                                  or workspace.numel() < numel):
+        raise ValueError(f"workspace must be float32 on {device} with >= {numel} elements")
 
 
 def _prefix_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
@@ -1192,7 +1200,8 @@ def unified_attention(
     "meta_words" (else each token's metadata from its pair's 32-bit word), "vmid_chain" (v_mid's load made
     one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take), "key_words" (4-bit keys as 16-bit
-    code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens)}).
+    code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens),
+    "warp_split" (decode_warps.py's one-warp programs: True/False; "block_n", "num_stages" apply to it too)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,
@@ -1224,7 +1233,7 @@ def unified_attention(
     )
     with device_of(pool):
         if plan.attention is None:
-            plan.attention = _launch(plan.grid, args, plan.constants, plan.block_n, plan.num_stages)
+            plan.attention = _launch(plan.grid, args, plan.constants, plan.block_n, plan.num_stages, plan.kernel)
         else:
             plan.attention(*args)
         if plan.split:
@@ -1254,6 +1263,7 @@ class _AttentionPlan:
     recent_size: int
     scalars: tuple  # (Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes)
     reduce: LaunchSite | None
+    kernel: object = None  # the jitted kernel (_attn_kernel unless decode_warps picked its own)
     attention: LaunchSite | None = None  # set by the first launch (the variant that fits the GPU)
 
 
@@ -1321,6 +1331,12 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
+    from . import decode_warps  # here: it imports this module
+
+    if decode_warps.wanted(tuning, layout, rows, b, plain_format and kv_start is None and sliding_window is None
+                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms):
+        return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), cent, vrot,
+                                      workspace, max_seq_len, block_table, num_splits, scale, sms, tuning)
     # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
     # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
     # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.
@@ -1529,9 +1545,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     partial_rows = b * hk * ns_all * (block_m // hp)
     if split:
         workspace_numel = partial_rows * (dp + 1)
-        if workspace is not None and (workspace.dtype != torch.float32 or workspace.device != pool.device
-                                      or workspace.numel() < workspace_numel):
-            raise ValueError(f"workspace must be float32 on {pool.device} with >= {workspace_numel} elements")
+        check_workspace(workspace, workspace_numel, pool.device)
     constants = dict(
         D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
         META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
