@@ -150,16 +150,3 @@ def test_warp_decode_gpu(batch, lens, dtype):
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} (B={batch})"
     other = unified_attention(query, pool, layout, table, seq_lens, scale, tuning={"warp_split": False})
     assert rel_error(got, other) <= 2 * tol
-
-
-def test_lookup_table_holds_centroids_and_table_words():
-    """The kernel's cent_ptr: the centroids by stored code (the interpreter's gathers), then the code-word lookup's
-    two table words (the first one is loaded into a register once per program)."""
-    from tq_hf.kernels.key_lut import config_lut_bytes
-
-    layout = make_layout("4bit", 2, 128)
-    got = decode_warps.lookup_table(layout, "cpu")
-    codec = reference.key_codec(layout.config, 128, "cpu")
-    assert got.dtype == torch.float32 and got.shape == (18,)
-    assert torch.equal(got[:16], codec.code_centroids)
-    assert got[16:].view(torch.int32).tolist() == list(config_lut_bytes(layout.config, 128)[0])

@@ -8,8 +8,7 @@ import torch
 
 from tq_hf.config import TurboQuantConfig
 from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words,
-                                   lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm,
-                                   WORDS_REG_CONSTRAINTS)
+                                   lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm)
 from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
@@ -115,25 +114,21 @@ def test_3bit_tables_take_any_8_finite_centroids():
     assert config_lut3_words(TurboQuantConfig.from_preset("k8v4"), 128) is None
 
 
-@pytest.mark.parametrize("word0_operand", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_every_code_word_pair_becomes_its_four_centroid_pairs(head_dim, word0_operand):
+def test_every_code_word_pair_becomes_its_four_centroid_pairs(head_dim):
     """The word asm (two 16-bit code words of a token per register): every byte value in every position (and
     random words) -> fp16 subnormal pairs (b0.lo, b2.lo), (b1.lo, b3.lo), (b0.hi, b2.hi), (b1.hi, b3.hi) which,
-    times lut_bytes' unit, are the stored codes' centroids exactly (fp32). word0_operand: the first table word
-    from operand $5 (decode_warps' form), the same results."""
+    times lut_bytes' unit, are the stored codes' centroids exactly (fp32)."""
     cfg = TurboQuantConfig.from_preset("4bit", rotation="random")
     table, unit = config_lut_bytes(cfg, head_dim)
-    assert WORDS_CONSTRAINTS == "=r,=r,=r,=r,r" and WORDS_REG_CONSTRAINTS == "=r,=r,=r,=r,r,r,r"
+    assert WORDS_CONSTRAINTS == "=r,=r,=r,=r,r"
     want = key_codec(cfg, head_dim, "cpu").code_centroids  # by stored (sign-magnitude) code
     gen = torch.Generator().manual_seed(head_dim + 1)
     cases = [[v, (v * 7 + 3) % 256, (v * 13 + 5) % 256, (v * 29 + 11) % 256] for v in range(256)]
     cases += [c[1:] + c[:1] for c in cases] + torch.randint(0, 256, (64, 4), generator=gen).tolist()
-    asm = lut_words_asm(table, word0_operand)
-    assert (str(table[0]) in asm) != word0_operand
-    word0 = {5: table[0], 6: table[0]} if word0_operand else {}
+    asm = lut_words_asm(table)
     for b in cases:
-        out = run(asm, {4: sum(v << (8 * i) for i, v in enumerate(b)), **word0})
+        out = run(asm, {4: sum(v << (8 * i) for i, v in enumerate(b))})
         halves = torch.tensor([h for n in range(4) for h in _halves(out[n])], dtype=torch.int32).to(torch.int16)
         got = halves.view(torch.float16).float() * unit  # subnormal m * 2**-24, exact in fp32
         codes = [b[0] & 15, b[2] & 15, b[1] & 15, b[3] & 15, b[0] >> 4, b[2] >> 4, b[1] >> 4, b[3] >> 4]

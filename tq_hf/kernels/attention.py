@@ -1335,8 +1335,8 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
 
     if decode_warps.wanted(tuning, layout, rows, b, plain_format and kv_start is None and sliding_window is None
                            and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms):
-        return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), vrot, workspace,
-                                      max_seq_len, block_table, num_splits, scale, sms, tuning)
+        return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), cent, vrot,
+                                      workspace, max_seq_len, block_table, num_splits, scale, sms, tuning)
     # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
     # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
     # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.

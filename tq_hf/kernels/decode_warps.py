@@ -27,23 +27,12 @@ import triton.language as tl
 from ..layout import BlockLayout
 from . import attention
 from ._common import codec_tensors
-from .attention import _load_meta, _value_nibbles, check_workspace
-from .key_lut import WORDS_REG_CONSTRAINTS as _WORDS_REG, config_lut_bytes, lut_words_asm
-
-WORDS_REG_CONSTRAINTS = tl.constexpr(_WORDS_REG)
+from .attention import LUT_WORDS_CONSTRAINTS, _load_meta, _value_nibbles, check_workspace
+from .key_lut import config_lut_bytes, lut_words_asm
 
 # query columns per program: 2 KV heads x 4 rows (G * Lq <= 4), the MMA's N
 COLUMNS = 8
 HEADS = 2
-
-
-@functools.lru_cache(maxsize=None)
-def lookup_table(layout: BlockLayout, device: str) -> torch.Tensor:
-    """The kernel's cent_ptr: the 16 centroids by stored code, then the code-word lookup's two table words (int32
-    bits as fp32), fp32 [18]."""
-    cent = codec_tensors(layout, device)[3]
-    words = torch.tensor(config_lut_bytes(layout.config, layout.head_dim)[0], dtype=torch.int32, device=device)
-    return torch.cat([cent, words.view(torch.float32)]).contiguous()
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +91,7 @@ def _add_pairs(a0, b0, a1, b1):
 
 
 @triton.jit
-def _warp_tile(lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
+def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
                plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
                D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
                BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
@@ -121,7 +110,6 @@ def _warp_tile(lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs,
         base = blk * block_bytes + head_off
     col_head = (nn % HP)[None, :]  # the heads interleave in the columns: a function of the register, folded
     s = tl.zeros((1, BLOCK_N, NR), tl.float32)
-    word0 = tl.broadcast_to(lut_word, (BLOCK_N, D // 4))
     k_scale = tl.zeros((BLOCK_N, NR), tl.float32)
     v_scale = tl.zeros((BLOCK_N, NR), tl.float32)
     v_mid = tl.zeros((BLOCK_N, NR), tl.float32)
@@ -130,7 +118,7 @@ def _warp_tile(lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs,
         kw = tl.load((pool_ptr + (plane + off * KB)[:, None]).to(tl.pointer_type(tl.uint16)) + uu[None, :],
                      mask=ok[:, None], other=0)  # [N, D/4] code words, the MMA's A operand
         if PTX:
-            k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT, WORDS_REG_CONSTRAINTS, [kw, word0],
+            k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT, LUT_WORDS_CONSTRAINTS, [kw],
                                                        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                        is_pure=True, pack=2)
         else:  # the interpreter: the asm's values (centroid / KEY_UNIT, fp16 subnormals) by gathers
@@ -182,7 +170,7 @@ def _warp_tile(lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs,
 def _warp_kernel(
     q_ptr, s_qb, s_qh, s_ql, o_ptr, s_ob, s_oh, s_ol, pool_ptr, bt_ptr, s_bt, seq_ptr, kvs_ptr, sink_ptr,
     rot_ptr,  # [2, D, D] fp16: R's high and low parts (rotation_halves)
-    cent_ptr,  # [18] fp32: centroids by stored code (the interpreter's gathers), the lookup's table words' bits
+    cent_ptr,  # [16] fp32 centroids by stored code (the interpreter's gathers)
     koff_ptr, s_koff, vrot_ptr,
     pout_ptr,  # [B, Hk, NS, RHO, DP] fp32 split partial outputs
     plse_ptr,  # [B, Hk, NS, RHO] fp32 split log2-sum-exp
@@ -211,9 +199,6 @@ def _warp_kernel(
     nn = tl.arange(0, NR)
     r = nn // HP
     qpos = seq_len - Lq + r // G
-    lut_word = 0
-    if PTX:  # the lookup's first table word, loaded (not an immediate ptxas would rematerialize at every use)
-        lut_word = tl.load((cent_ptr + 16).to(tl.pointer_type(tl.int32)))
     qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP)
 
     m_i = tl.full((NR,), -float("inf"), tl.float32)
@@ -233,12 +218,12 @@ def _warp_kernel(
         blk = blk_n
         blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
-            lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
             block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
     for t0 in range(body_end, end, BLOCK_N):
         blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
-            lut_word, t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
             block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
 
     # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
@@ -299,8 +284,8 @@ def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool
     return why is None and gpu_ptx and layout.head_dim == 128 and 4 * batch * layout.num_kv_heads >= sms
 
 
-def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, vrot, workspace,
-              max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict):
+def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
+              workspace, max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict):
     """The launch plan (attention._AttentionPlan) of this kernel and the split reduction."""
     d, hk, t = layout.head_dim, layout.num_kv_heads, layout.block_size
     device = str(pool.device)
@@ -325,12 +310,11 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     table, unit = config_lut_bytes(layout.config, d)
     constants = dict(
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
-        HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table, True) if ptx else "", PTX=ptx,
+        HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
         BIG=pool.numel() >= 2**31, HALF=7.5, num_warps=1)
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
-        rot=rotation_halves(layout, device), cent=lookup_table(layout, device), vrot=vrot, s_koff=0, prefix_len=0,
-        recent_size=0,
+        rot=rotation_halves(layout, device), cent=cent, vrot=vrot, s_koff=0, prefix_len=0, recent_size=0,
         scalars=(lq, num_splits, float(scale), 1.0, 0, layout.block_bytes, layout.plane_bytes),
         reduce=attention.reduce_site(b, hk, g, lq, num_splits, rho, d, dp), kernel=_warp_kernel)  # patched by tests

@@ -105,17 +105,13 @@ prmt.b32 $3, lb, sh, 0x7361;
 # la (lb): magnitude bytes of nibbles 0-3 (4-7) of the reordered bytes c = (b0, b2, b1, b3): b0.lo, b0.hi, b2.lo,
 # b2.hi (b1.lo, b1.hi, b3.lo, b3.hi); sl (sh): the low (high) nibbles' sign bits at bit 7 of each byte of c.
 WORDS_CONSTRAINTS = "=r,=r,=r,=r,r"
-WORDS_REG_CONSTRAINTS = "=r,=r,=r,=r,r,r,r"  # and the first table word (one register per element of the pair)
 
 
 @functools.lru_cache(maxsize=None)
-def lut_words_asm(table: tuple[int, int], word0_operand: bool = False) -> str:
-    """The asm decoding 2 code words of a token into 4 fp16x2 subnormals (WORDS_CONSTRAINTS); table: lut_bytes'.
-    word0_operand: the first table word comes from operand $5 (WORDS_REG_CONSTRAINTS), a register the kernel loaded
-    once; as an immediate ptxas materialized it before every lookup (64 moves per 32 tokens of two heads, sm_90a)."""
+def lut_words_asm(table: tuple[int, int]) -> str:
+    """The asm decoding 2 code words of a token into 4 fp16x2 subnormals (WORDS_CONSTRAINTS); table: lut_bytes'."""
     l0, l1 = table
-    body = _WORDS_BODY.replace("mov.b32 l0, %(l0)d;", "mov.b32 l0, $5;") if word0_operand else _WORDS_BODY
-    return body % dict(l0=l0, l1=l1)
+    return _WORDS_BODY % dict(l0=l0, l1=l1)
 
 
 def lut_bytes(centroids: torch.Tensor) -> tuple[tuple[int, int], float] | None:
