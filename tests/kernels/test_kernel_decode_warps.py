@@ -52,12 +52,6 @@ def test_warp_decode_split_counts_agree(num_splits):
     _check(make_layout("4bit", 2, 128), [250, 61], 4, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("q_len,lens", [(1, [300, 77, 1]), (2, [90, 33])])
-def test_warp_decode_row_pairs(q_len, lens):
-    """tuning row_pairs: the tile's rows in pair order (masked tiles' block lookups included)."""
-    _check(make_layout("4bit", 4, 128), lens, 2, q_len, tuning={"row_pairs": True})
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_warp_decode_large_activations(dtype):
     """Queries far beyond fp16's range (bf16/fp32 inputs): the prologue scales them before its fp16 MMAs."""

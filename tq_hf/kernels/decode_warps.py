@@ -95,14 +95,10 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
                plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
                D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
                BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
-               ROW_PAIRS: tl.constexpr, MASKED: tl.constexpr):
+               MASKED: tl.constexpr):
     """One BLOCK_N-token tile [t0, t0 + BLOCK_N) of both heads: scores, online softmax, values. MASKED: the
     tile may reach past `end` or past a row's position (causal, Lq > 1); else every score is visible."""
-    if ROW_PAIRS:  # rows in the order 2 (i % 8) + (i // 8) % 2 per 16-row MMA tile: a thread's two rows of an MMA
-        # tile are the two tokens of one metadata pair word
-        tok = t0 + (ii // 16) * 16 + 2 * (ii % 8) + (ii // 8) % 2
-    else:
-        tok = t0 + ii
+    tok = t0 + ii
     if MASKED:
         ok = tok < end
     else:
@@ -184,7 +180,7 @@ def _warp_kernel(
     D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
     BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
-    HALF: tl.constexpr, ROW_PAIRS: tl.constexpr,
+    HALF: tl.constexpr,
 ):
     split = tl.program_id(0)
     hp = tl.program_id(1)
@@ -223,12 +219,12 @@ def _warp_kernel(
         blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, ROW_PAIRS, False)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
     for t0 in range(body_end, end, BLOCK_N):
-        blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii // 16 * 16 < end, other=0)  # 16 rows: one block
+        blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, ROW_PAIRS, True)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
 
     # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
     has = l_i > 0
@@ -315,7 +311,7 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     constants = dict(
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
         HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=7.5, ROW_PAIRS=bool(tuning.get("row_pairs", False)), num_warps=1)
+        BIG=pool.numel() >= 2**31, HALF=7.5, num_warps=1)
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
