@@ -10,6 +10,14 @@ takes 64 MMAs and a softmax over 8 scores per thread, against 128 and 16; the va
 O^T = V^T P^T. Offline sm_90a SASS (Triton 3.6): 1,095 instructions per 32 tokens of two heads (the unified
 kernel: 1,310 per 4-warp tile, the same tokens per warp) and no CTA barrier in the loop.
 
+H200, 32/8/128 4bit against the unified kernel (eval/results/gpu_checks/session17): B=16 S=32k 0.2129 -> 0.1702 ms
+(0.35x fp16 SDPA), S=128k 0.810 -> 0.598, B=32 0.406 -> 0.304, B=8 0.1147 -> 0.1025.
+Measured and not kept (call 10, call 11): the lookup's first table word loaded into a register once instead of
+the immediate ptxas re-materializes before every lookup (1,095 -> 1,042 instructions per tile, yet B=16 S=32k
+0.1710 -> 0.1758 ms), the tile's rows in metadata-pair order (1,083 instructions, 0.1702 -> 0.1722), 4 stages
+(0.1745), 2 stages (0.1896), 64-token tiles (0.2379, spills), 168 registers (12 programs per SM, 0.1838 vs
+0.1791 in the prototype), the split reduction fused into the last split (0.1838 vs 0.1799: its merge is serial).
+
 The key and value codes are decoded by the same asm as the unified kernel's code words (key_lut.py,
 value_nibbles.py): keys as the MMA's A operand [tokens, words] (two words of a token per register), values
 as its A operand [words, tokens] (two tokens' words per register). The query is rotated in the prologue by
@@ -243,8 +251,9 @@ def _warp_kernel(
     tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
 
 
-# one-warp programs an SM holds at once: ptxas gives the kernel 252 registers (no cap; 168 measured slower:
-# H200, 32/8/128 B=16 S=32k, 0.1838 vs 0.1791 ms) and 18 KB of shared memory (3 stages of 32-token tiles)
+# one-warp programs an SM holds at once: ptxas gives the kernel 255 registers (no cap; 168 measured slower:
+# H200, 32/8/128 B=16 S=32k, 0.1838 vs 0.1791 ms in the prototype) and 18 KB of shared memory (3 stages of 32-token
+# tiles)
 PROGRAMS_PER_SM = 8
 
 
@@ -270,9 +279,9 @@ def unsupported(layout: BlockLayout, rows: int, plain: bool) -> str | None:
 def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int) -> bool:
     """Whether a decode launch takes this kernel: tuning["warp_split"] if given (True raises where unsupported);
     other tuning keys are the unified kernel's (its benchmarked variants), so they keep it; else on a GPU running
-    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs. H200, 32/8/128 4bit S=32k,
-    against the unified kernel (gpu_checks/session17): B=16 0.2122 -> 0.1791 ms, S=128k 0.811 -> 0.616, B=8
-    0.1162 -> 0.1068; B=4 slower (0.0658 -> 0.0687), B=1 too (0.0297 -> 0.0362)."""
+    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs. H200, 32/8/128 4bit S=32k, against the unified
+    kernel (gpu_checks/session17, call 7 and call 9): B=16 0.2129 -> 0.1710 ms, B=8 0.1147 -> 0.1025; B=4 slower
+    (0.0658 -> 0.0678), B=2 too (0.0423 -> 0.0467), B=1 (0.0297 -> 0.0362, prototype); other head_dims unmeasured."""
     forced = tuning.get("warp_split")
     why = unsupported(layout, rows, plain)
     if forced:
