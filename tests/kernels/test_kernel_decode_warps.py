@@ -150,3 +150,27 @@ def test_warp_decode_gpu(batch, lens, dtype):
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} (B={batch})"
     other = unified_attention(query, pool, layout, table, seq_lens, scale, tuning={"warp_split": False})
     assert rel_error(got, other) <= 2 * tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warp_decode_cuda_graph_replay_gpu():
+    """Captured once in a CUDA graph (as the launcher picks it, B=16 x 8 KV heads), replayed after the next step's
+    new query and shorter lengths are written in place: no host sync, the lengths read on the device."""
+    layout = make_layout("4bit", 8, 128)
+    assert decode_warps.wanted({}, layout, 4, 16, True, True, torch.cuda.get_device_properties(0).multi_processor_count)
+    lens = [4000, 1234, 9, 2048] * 4
+    pool, table = fill_cache(layout, lens, "cuda")
+    seq = torch.tensor(lens, device="cuda")
+    q = torch.randn(16, 32, 1, 128, device="cuda", dtype=torch.float16)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)  # compile, workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=4096, out=out)
+    q.copy_(torch.randn_like(q))
+    seq.sub_(torch.arange(16, device="cuda") % 3)
+    out.fill_(float("nan"))
+    graph.replay()
+    want = reference.paged_attention(q.float(), pool, layout, table, seq, 0.088)
+    assert rel_error(out, want) <= attention_tolerance(torch.float16, want)
