@@ -4,7 +4,7 @@ Builds a pool of B rows x S random tokens (the bench's shapes), launches the att
 times, and prints what the compiled kernel uses (registers, spills, shared memory) and the SASS
 instruction mix of its variants. Run it under Nsight Compute to read the hardware counters:
 
-    ncu --clock-control none --set full -k regex:_attn_kernel --launch-skip 2 --launch-count 1 -o r \
+    ncu --clock-control none --set full -k 'regex:_attn_kernel|_warp_kernel' --launch-skip 2 --launch-count 1 -o r \
         python -m eval.profile_decode --preset 4bit --batch 16 --length 32768 [--tuning "{'bt_next': False}"]
     ncu --import r.ncu-rep --page source --csv --print-source sass > r.csv
     python -m eval.profile_decode --stalls r.csv     # where the warps wait: by reason, opcode, instruction
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     from eval.bench_kernels import _fill_pool, _key_offset, make_config
     from tq_hf.kernels import unified_attention
     from tq_hf.kernels.attention import _attn_kernel
+    from tq_hf.kernels.decode_warps import _warp_kernel
     from tq_hf.layout import BlockLayout
 
     hq, hk, d = (int(x) for x in args.heads.split(","))
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
                           tuning=ast.literal_eval(args.tuning))
     torch.cuda.synchronize()
     print(f"{args.preset} B={b} S={s} {hq}/{hk}/{d}: compressed bytes {b * hk * s * layout.config.token_head_bytes(d) / 1e9:.3f} GB")
-    describe_compiled(_attn_kernel)
+    for kernel in (_attn_kernel, _warp_kernel):  # whichever the launcher picked (plain 4bit at large batch: one-warp)
+        describe_compiled(kernel)
 
 
 if __name__ == "__main__":
