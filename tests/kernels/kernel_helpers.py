@@ -198,3 +198,28 @@ def recent_ring(layout: BlockLayout, rows: int, window: int, dtype=torch.float32
     keys = torch.randn(shape, device=device) * 2.5
     values = torch.randn(shape, device=device) * 2 - 1.0
     return keys.to(dtype), values.to(dtype)
+
+
+def poisoned_exact_buffers(pool: torch.Tensor, layout: BlockLayout, table: torch.Tensor, lens: list[int],
+                           starts: list[int], prefix_len: int = 0, recent: tuple[int, int] | None = None,
+                           dtype=torch.float32, device=DEVICE) -> dict:
+    """unified_attention's exact buffers for a test, with what they serve poisoned elsewhere: prefix_len P > 0 gives
+    exact prefix buffers and NaN pool slots at positions kv_start + s (s < P); recent=(W, recent_from) a ring, NaN
+    pool slots at its positions and NaN prefix entries the ring covers (the ring wins there, as in
+    reference.overlay_recent). So a kernel must read each position from where the spec says."""
+    kw = {}
+    if prefix_len:
+        poison_positions(pool, layout, table, [(r, range(st, min(st + prefix_len, n)))
+                                               for r, (st, n) in enumerate(zip(starts, lens))])
+        kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, len(lens), prefix_len, dtype, device)
+    if recent is not None:
+        w, kw["recent_from"] = recent
+        ranges = [recent_range(n, w, kw["recent_from"]) for n in lens]
+        poison_positions(pool, layout, table, list(enumerate(ranges)))
+        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, len(lens), w, dtype, device)
+        for r, (st, ring) in enumerate(zip(starts, ranges)):
+            for s in range(prefix_len):  # prefix entries the ring serves must stay unread
+                if st + s in ring:
+                    kw["prefix_keys"][r, :, s] = float("nan")
+                    kw["prefix_values"][r, :, s] = float("nan")
+    return kw

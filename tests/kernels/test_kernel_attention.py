@@ -17,7 +17,7 @@ from tq_hf.layout import value_planes
 from tq_hf.kernels import unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
-                            poison_positions, recent_range, recent_ring, rel_error)
+                            poisoned_exact_buffers, recent_ring, rel_error)
 
 
 def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, recent=None, **kw):
@@ -29,20 +29,7 @@ def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefi
     pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
     b = len(lens)
     starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
-    if prefix_len:
-        poison_positions(pool, layout, table, [(r, range(st, min(st + prefix_len, n)))
-                                               for r, (st, n) in enumerate(zip(starts, lens))])
-        kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, b, prefix_len, dtype, device)
-    if recent is not None:
-        w, kw["recent_from"] = recent
-        ranges = [recent_range(n, w, kw["recent_from"]) for n in lens]
-        poison_positions(pool, layout, table, list(enumerate(ranges)))
-        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, b, w, dtype, device)
-        for r, (st, ring) in enumerate(zip(starts, ranges)):
-            for s in range(prefix_len):  # prefix entries the ring serves must stay unread
-                if st + s in ring:
-                    kw["prefix_keys"][r, :, s] = float("nan")
-                    kw["prefix_values"][r, :, s] = float("nan")
+    kw.update(poisoned_exact_buffers(pool, layout, table, lens, starts, prefix_len, recent, dtype, device))
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
