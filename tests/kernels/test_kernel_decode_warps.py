@@ -14,35 +14,25 @@ import torch
 from tq_hf import reference
 from tq_hf.kernels import decode_warps, unified_attention
 
-from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
-                            poisoned_exact_buffers, rel_error)
+from kernel_helpers import DEVICE, attention_tolerance, default_scale, fill_cache, make_layout, rel_error
 
 WARPS = {"warp_split": True}
 
 
-def _check(layout, lens, group, q_len=1, dtype=torch.float16, device=DEVICE, scale_query=1.0, prefix_len=0, recent=None,
-           **kw):
-    """The kernel (forced by tuning) against the reference on a fresh cache. prefix_len P > 0: exact prefix buffers
-    are passed and the pool's slots at positions kv_start + s (s < P) poisoned (NaN); recent=(W, recent_from): a
-    ring is passed and the pool's slots (and prefix entries) it serves poisoned: the kernel must read those from the
-    buffers. The outputs and the split workspace are poisoned too."""
-    pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
+def _check(layout, lens, group, q_len=1, dtype=torch.float16, device=DEVICE, scale_query=1.0, **kw):
+    pool, table = fill_cache(layout, lens, device)
     b = len(lens)
-    starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
-    kw.update(poisoned_exact_buffers(pool, layout, table, lens, starts, prefix_len, recent, dtype, device))
     query = (torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device) * scale_query).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
-    ref_kw = {k: v for k, v in kw.items() if k not in ("num_splits", "tuning")}
-    want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale, **ref_kw)
+    want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale)
     workspace = torch.full((1 << 20,), float("nan"), device=device)
     out = torch.full_like(query, float("nan"))
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, workspace=workspace,
                             tuning={**WARPS, **kw.pop("tuning", {})}, **kw)
     assert got is out and got.isfinite().all()
     err, tol = rel_error(got, want), attention_tolerance(dtype, want)
-    assert err <= tol, (f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group}, "
-                        f"P={prefix_len}, recent={recent})")
+    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group})"
 
 
 # GQA groups 1/3/4 (G x Lq <= 4 rows per KV head), odd and mixed lengths (a row of one token, one of none)
@@ -62,23 +52,6 @@ def test_warp_decode_split_counts_agree(num_splits):
     _check(make_layout("4bit", 2, 128), [250, 61], 4, num_splits=num_splits)
 
 
-# the levers: key centering (the pool stored centred on a mean), value rotation, the exact prefix (split 0) and
-# ring (the last split), left padding; rows shorter than the prefix, rows the ring covers whole
-@pytest.mark.parametrize("options,prefix_len,recent,kv_start,num_splits,dtype", [
-    (True, 4, (32, 0), None, 3, torch.float16),  # the preset's levers
-    (True, 4, (16, 0), [0, 5, 2], 2, torch.bfloat16),
-    (False, 5, None, [3, 0, 1], 3, torch.float16),  # the exact prefix into the code accumulators
-    (False, 0, (40, 10), None, 1, torch.bfloat16),
-    (True, 0, None, None, 2, torch.float32),  # centering and value rotation alone (fp32 query: no exact buffers)
-])
-def test_warp_decode_levers(options, prefix_len, recent, kv_start, num_splits, dtype):
-    layout = make_layout("4bit", 2, 128, key_centering=options, value_rotation=options)
-    kw = {"key_offset": torch.randn(2, 128) * 3} if options else {}
-    if kv_start is not None:
-        kw["kv_start"] = torch.tensor(kv_start)
-    _check(layout, [3, 137, 90], 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=num_splits, **kw)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_warp_decode_large_activations(dtype):
     """Queries far beyond fp16's range (bf16/fp32 inputs): the prologue scales them before its fp16 MMAs."""
@@ -91,10 +64,9 @@ def test_warp_decode_large_activations(dtype):
     ("4bit", 3, 1, 1, {}, {}, "an even KV head count"),
     ("4bit", 2, 4, 2, {}, {}, "<= 4 query rows per KV head"),
     ("4bit", 2, 8, 1, {}, {}, "<= 4 query rows per KV head"),
-    ("4bit", 2, 4, 1, {}, {"sliding_window": 64}, "no sliding window, sinks or softcap"),
-    ("4bit", 2, 4, 1, {}, {"sinks": "sinks"}, "no sliding window, sinks or softcap"),
-    ("4bit", 2, 4, 1, {}, {"softcap": 30.0}, "no sliding window, sinks or softcap"),
-    ("4bit", 2, 4, 1, {}, {"prefix": 4}, "exact prefix and ring buffers in the query's dtype"),
+    ("4bit", 2, 4, 1, {"value_rotation": True}, {}, "the plain format"),
+    ("4bit", 2, 4, 1, {}, {"sliding_window": 64}, "the plain format"),
+    ("4bit", 2, 4, 1, {}, {"sinks": "sinks"}, "the plain format"),
 ])
 def test_warp_decode_refuses_what_it_cannot_run(preset, heads, group, q_len, options, extra, need):
     layout = make_layout(preset, heads, 128, **options)
@@ -102,9 +74,6 @@ def test_warp_decode_refuses_what_it_cannot_run(preset, heads, group, q_len, opt
     query = torch.randn(1, heads * group, q_len, 128)
     if extra.get("sinks"):
         extra = {"sinks": torch.zeros(heads * group)}
-    if extra.get("prefix"):  # buffers in fp16 next to an fp32 query
-        keys, values = exact_prefix(layout, 1, extra.pop("prefix"), torch.float16, "cpu")
-        extra.update(prefix_keys=keys, prefix_values=values)
     with pytest.raises(ValueError, match=f"warp_split=True needs .*{need}"):
         unified_attention(query, pool, layout, table, torch.tensor([40]), 0.1, tuning=WARPS, **extra)
 
@@ -181,18 +150,6 @@ def test_warp_decode_gpu(batch, lens, dtype):
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} (B={batch})"
     other = unified_attention(query, pool, layout, table, seq_lens, scale, tuning={"warp_split": False})
     assert rel_error(got, other) <= 2 * tol
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_warp_decode_levers_gpu(dtype):
-    """The preset's levers at real size (centering, value rotation, 4 exact leading tokens, a 128-token ring,
-    left padding), the asm path, against the reference with the poisoned pool positions the buffers serve."""
-    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
-    lens = [32768, 32700, 20001, 4099] * 4
-    _check(layout, lens, 4, dtype=dtype, device="cuda", prefix_len=4, recent=(128, 0),
-           key_offset=torch.randn(8, 128, device="cuda") * 3, kv_start=torch.tensor([0, 13] * 8, device="cuda"))
 
 
 @pytest.mark.gpu

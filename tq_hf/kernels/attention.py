@@ -1333,15 +1333,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     from . import decode_warps  # here: it imports this module
 
-    exact = [x for x in (prefix_keys, prefix_values, recent_keys, recent_values) if x is not None]
-    exact_dtype = query.dtype if query.dtype in (torch.float16, torch.bfloat16) else None
-    why_not = decode_warps.unsupported(layout, rows, sliding_window is not None, sinks is not None, softcap is not None,
-                                       not exact or (exact_dtype is not None and all(x.dtype == exact_dtype for x in exact)))
-    if decode_warps.wanted(tuning, layout, rows, b, why_not, plain_format, on_gpu and _runs_ptx(pool.device), sms):
+    if decode_warps.wanted(tuning, layout, rows, b, plain_format and kv_start is None and sliding_window is None
+                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms):
         return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), cent, vrot,
-                                      workspace, max_seq_len, block_table, num_splits, scale, sms, tuning,
-                                      kv_start is not None, key_offset is not None, s_koff, prefix_len, recent_size,
-                                      exact_dtype or torch.float16)
+                                      workspace, max_seq_len, block_table, num_splits, scale, sms, tuning)
     # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
     # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
     # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.

@@ -16,7 +16,10 @@ Measured and not kept (call 10, call 11): the lookup's first table word loaded i
 the immediate ptxas re-materializes before every lookup (1,095 -> 1,042 instructions per tile, yet B=16 S=32k
 0.1710 -> 0.1758 ms), the tile's rows in metadata-pair order (1,083 instructions, 0.1702 -> 0.1722), 4 stages
 (0.1745), 2 stages (0.1896), 64-token tiles (0.2379, spills), 168 registers (12 programs per SM, 0.1838 vs
-0.1791 in the prototype), the split reduction fused into the last split (0.1838 vs 0.1799: its merge is serial).
+0.1791 in the prototype), the split reduction fused into the last split (0.1838 vs 0.1799: its merge is serial),
+and the preset's levers in this kernel (bac32e9: centering, value rotation, the exact prefix in the first split and
+the ring in the last; call 13, the 4bit preset's defaults: B=16 0.2228 -> 0.2364 ms, B=8 0.1354 -> 0.1646, with
+spills in the walk at 255 registers), so the levers keep the unified kernel.
 
 The key and value codes are decoded by the same asm as the unified kernel's code words (key_lut.py,
 value_nibbles.py): keys as the MMA's A operand [tokens, words] (two words of a token per register), values
@@ -94,57 +97,21 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
 
 
 @triton.jit
-def _query_columns(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, j: tl.constexpr, nn, dd, dtype: tl.constexpr,
-                   G: tl.constexpr, HP: tl.constexpr):
-    """Head j's query rows, unrotated, as a [1, D, NR] operand in `dtype` (its columns, zero in the others')."""
-    r = nn // HP
-    ok = (r < G * Lq) & (nn % HP == j)
-    qhead = (hp * HP + j) * G + r % G
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh + (r // G).to(tl.int64)[None, :] * s_ql
-                + dd[:, None], mask=ok[None, :], other=0.0)
-    return tl.broadcast_to(q.to(dtype)[None, :, :], (1, dd.shape[0], nn.shape[0]))
-
-
-@triton.jit
-def _query_dot_mean(q_ptr, s_qb, s_qh, s_ql, koff_ptr, s_koff, Lq, sm_scale, b, hp, nn, D: tl.constexpr,
-                    G: tl.constexpr, HP: tl.constexpr):
-    """q . mu per column in log2 units: mu the key-centering mean of the column's KV head ([Hk, D], or per row)."""
-    r = nn // HP
-    ok = r < G * Lq
-    head = hp * HP + nn % HP
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + (head * G + r % G).to(tl.int64)[None, :] * s_qh
-                + (r // G).to(tl.int64)[None, :] * s_ql + dd[:, None], mask=ok[None, :], other=0.0).to(tl.float32)
-    mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + (head * D)[None, :] + dd[:, None])
-    return tl.sum(q * mu, axis=0) * (sm_scale * 1.4426950408889634)
-
-
-@triton.jit
-def _rotation_columns(vrot_ptr, coords, dd, D: tl.constexpr):
-    """Rv^T restricted to the columns `coords`: [D, len(coords)] with entry (d, u) = Rv[coords[u], d]."""
-    return tl.load(vrot_ptr + coords[None, :] * D + dd[:, None])
-
-
-@triton.jit
 def _add_pairs(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
 
 @triton.jit
-def _warp_tile(t0, end, pool_first, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, row_off, pool_ptr, cent_ptr,
-               head_off,
+def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
                plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
                D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
                BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
-               FIRST: tl.constexpr, MASKED: tl.constexpr):
+               MASKED: tl.constexpr):
     """One BLOCK_N-token tile [t0, t0 + BLOCK_N) of both heads: scores, online softmax, values. MASKED: the
-    tile may reach past `end`, before `pool_first` (FIRST: left padding, the exact prefix) or past a row's
-    position (causal, Lq > 1); else every score is visible. row_off: q . mu in log2 units (key centering)."""
+    tile may reach past `end` or past a row's position (causal, Lq > 1); else every score is visible."""
     tok = t0 + ii
     if MASKED:
         ok = tok < end
-        if FIRST:
-            ok = ok & (tok >= pool_first)
     else:
         ok = tl.full((BLOCK_N,), True, tl.int1)
     off = tok % T
@@ -183,9 +150,9 @@ def _warp_tile(t0, end, pool_first, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, q
     x = tl.reshape(s, (BLOCK_N, NR)) * k_scale
     if MASKED:
         x = tl.where(ok[:, None] & (tok[:, None] <= qpos[None, :]), x, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(x, axis=0) * rsc + row_off)
+    m_new = tl.maximum(m_i, tl.max(x, axis=0) * rsc)
     m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-    p = tl.exp2(x * rsc[None, :] + (row_off - m_use)[None, :])
+    p = tl.exp2(x * rsc[None, :] - m_use[None, :])
     alpha = tl.exp2(m_i - m_use)
     sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 0, _add_pairs)
     l_i = l_i * alpha + sum_p
@@ -208,52 +175,6 @@ def _warp_tile(t0, end, pool_first, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, q
     return m_new, l_i, a0, a1, a2, a3, bias
 
 
-@triton.jit
-def _exact_warp_tile(qx, m_i, l_i, a0, a1, a2, a3, acc_x, bias, k_base, s_kh, s_k, v_base, s_vh, s_v, rows, pos, ok,
-                     qpos, sm_scale, nn, uu, dd, D: tl.constexpr, NR: tl.constexpr, RN: tl.constexpr, HP: tl.constexpr,
-                     VALUE_ROT: tl.constexpr):
-    """One online-softmax step over dense exact keys/values (the prefix or the ring) of both heads: rows `rows` of
-    the buffers hold positions `pos` (`ok`: real). qx: HP [1, D, NR] tiles of the unrotated query in the buffers'
-    dtype (exact products). Values join the code accumulators (coordinate sets, the codes' fp16 scale) or, under
-    value rotation, acc_x [D, NR] in the original space; their dots in one tf32 pass (p to 10 bits)."""
-    col_head = (nn % HP)[None, :]
-    s = tl.zeros((1, RN, NR), tl.float32)
-    for j in tl.static_range(HP):
-        k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dd[None, :], mask=ok[:, None], other=0.0)
-        s = tl.dot(k.to(qx[j].dtype)[None, :, :], qx[j], s)
-    x = tl.reshape(s, (RN, NR)) * (sm_scale * 1.4426950408889634)
-    x = tl.where(ok[:, None] & (pos[:, None] <= qpos[None, :]), x, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(x, axis=0))
-    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
-    p = tl.exp2(x - m_use[None, :])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    bias = bias * alpha
-    a0 = a0 * alpha[None, :]
-    a1 = a1 * alpha[None, :]
-    a2 = a2 * alpha[None, :]
-    a3 = a3 * alpha[None, :]
-    acc_x = acc_x * alpha[None, :]
-    for j in tl.static_range(HP):
-        p_j = tl.where(col_head == j, p, 0.0)
-        v_j = v_base + j * s_vh + rows[None, :] * s_v
-        if VALUE_ROT:
-            v = tl.load(v_j + dd[:, None], mask=ok[None, :], other=0.0).to(tl.float32)  # [D, N]
-            acc_x = tl.dot(v, p_j, acc_x, input_precision="tf32")
-        else:  # coordinate set c of the code accumulators, in their fp16 scale (x 2**-24, odd c x 2**-20)
-            p_lo = p_j * 5.960464477539063e-08
-            p_hi = p_j * 9.5367431640625e-07
-            a0 = tl.dot(tl.load(v_j + (2 * uu)[:, None], mask=ok[None, :], other=0.0).to(tl.float32), p_lo, a0,
-                        input_precision="tf32")
-            a1 = tl.dot(tl.load(v_j + (2 * uu + D // 2)[:, None], mask=ok[None, :], other=0.0).to(tl.float32), p_hi,
-                        a1, input_precision="tf32")
-            a2 = tl.dot(tl.load(v_j + (2 * uu + 1)[:, None], mask=ok[None, :], other=0.0).to(tl.float32), p_lo, a2,
-                        input_precision="tf32")
-            a3 = tl.dot(tl.load(v_j + (2 * uu + 1 + D // 2)[:, None], mask=ok[None, :], other=0.0).to(tl.float32),
-                        p_hi, a3, input_precision="tf32")
-    return m_new, l_i, a0, a1, a2, a3, acc_x, bias
-
-
 # The same runtime arguments as attention._attn_kernel (unified_attention builds one tuple); the exact prefix,
 # ring, key offset, value rotation, sinks and window are not this kernel's (the launcher never picks it there).
 @triton.jit(do_not_specialize=["recent_from", "Lq", "num_splits", "prefix_len"])
@@ -271,9 +192,6 @@ def _warp_kernel(
     G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
     BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
     HALF: tl.constexpr,
-    HAS_KV_START: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_PREFIX: tl.constexpr,
-    HAS_RECENT: tl.constexpr, RN: tl.constexpr,  # RN: tokens per exact (prefix, ring) tile
-    EXACT_DTYPE: tl.constexpr,  # the query's and the exact buffers' 16-bit dtype
 ):
     split = tl.program_id(0)
     hp = tl.program_id(1)
@@ -281,37 +199,18 @@ def _warp_kernel(
     npairs = tl.num_programs(1)
     U: tl.constexpr = D // 4
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
-    kv_first = 0  # the first real position (left padding before it)
-    if HAS_KV_START:
-        kv_first = tl.load(kvs_ptr + b).to(tl.int32)
-    pool_first = kv_first  # the first position read from the pool
-    if HAS_PREFIX:
-        pool_first = kv_first + prefix_len
-    pool_hi = seq_len  # one past the last position read from the pool
-    if HAS_RECENT:
-        ring_lo = tl.maximum(recent_from, seq_len - recent_size)  # the ring wins over prefix and pool
-        pool_hi = tl.minimum(seq_len, ring_lo)
-    kv_lo = tl.maximum(pool_first, 0) // BLOCK_N * BLOCK_N
-    n_tiles = tl.maximum(tl.cdiv(pool_hi - kv_lo, BLOCK_N), 0)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
-    start = kv_lo + split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, pool_hi)
-    # a first tile with positions before pool_first, whole tiles every row sees (positions <= seq_len - Lq),
-    # then the masked rest
-    head_end = start
-    if HAS_KV_START or HAS_PREFIX:
-        head_end = tl.where(start < pool_first, tl.minimum(start + BLOCK_N, end), start)
-    body_end = head_end + tl.maximum(tl.minimum(end, seq_len - Lq + 1) - head_end, 0) // BLOCK_N * BLOCK_N
-    n_head = tl.cdiv(head_end - start, BLOCK_N)  # 0 or 1
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    # whole tiles every row sees (positions <= seq_len - Lq), then the masked rest
+    body_end = start + tl.maximum(tl.minimum(end, seq_len - Lq + 1) - start, 0) // BLOCK_N * BLOCK_N
     ii = tl.arange(0, BLOCK_N)
     uu = tl.arange(0, U)
     nn = tl.arange(0, NR)
     r = nn // HP
     qpos = seq_len - Lq + r // G
     qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP)
-    row_off = tl.zeros((NR,), tl.float32)
-    if HAS_KEY_OFFSET:  # key centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per column
-        row_off = _query_dot_mean(q_ptr, s_qb, s_qh, s_ql, koff_ptr, s_koff, Lq, sm_scale, b, hp, nn, D, G, HP)
 
     m_i = tl.full((NR,), -float("inf"), tl.float32)
     l_i = tl.zeros((NR,), tl.float32)
@@ -325,52 +224,18 @@ def _warp_kernel(
     head_off = hp * HP * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk's block-table entries an iteration ahead, so the codes' loads are direct (prefetched a tile ahead)
-    blk_n = tl.load(bt_row + (head_end + ii) // T, mask=head_end + ii < body_end, other=0)
-    for t0 in range(head_end, body_end, BLOCK_N):
+    blk_n = tl.load(bt_row + (start + ii) // T, mask=start + ii < body_end, other=0)
+    for t0 in range(start, body_end, BLOCK_N):
         blk = blk_n
         blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
-            t0, end, pool_first, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, row_off, pool_ptr, cent_ptr,
-            head_off, plane_bytes, block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP,
-            HALF, BIG, HAS_KV_START or HAS_PREFIX, False)
-    for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
-        t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
-        blk = tl.load(bt_row + (t0 + ii) // T, mask=(t0 + ii < end) & (t0 + ii >= pool_first), other=0)
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
+    for t0 in range(body_end, end, BLOCK_N):
+        blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
-            t0, end, pool_first, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, row_off, pool_ptr, cent_ptr,
-            head_off, plane_bytes, block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP,
-            HALF, BIG, HAS_KV_START or HAS_PREFIX, True)
-
-    # ---- exact tiles, after the walk (none of their state is live through it): the prefix in the first split,
-    # the ring in the last; the unrotated query as [1, D, NR] operands in the buffers' dtype
-    dd = tl.arange(0, D)
-    if VALUE_ROT:  # exact values in the original space, added after the codes' part is rotated back
-        acc_x = tl.zeros((D, NR), tl.float32)
-    else:  # (they join the code accumulators)
-        acc_x = tl.zeros((1, NR), tl.float32)
-    if HAS_PREFIX or HAS_RECENT:
-        qx = ()
-        for j in tl.static_range(HP):
-            qx = qx + (_query_columns(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, j, nn, dd, EXACT_DTYPE, G, HP),)
-    if HAS_PREFIX:
-        if split == 0:
-            pk = pk_ptr + b.to(tl.int64) * s_pkb + (hp * HP).to(tl.int64) * s_pkh
-            pv = pv_ptr + b.to(tl.int64) * s_pvb + (hp * HP).to(tl.int64) * s_pvh
-            for c0 in tl.range(0, prefix_len, RN, num_stages=1):  # not pipelined: its buffers would cost occupancy
-                pc = c0 + tl.arange(0, RN)
-                m_i, l_i, a0, a1, a2, a3, acc_x, bias = _exact_warp_tile(
-                    qx, m_i, l_i, a0, a1, a2, a3, acc_x, bias, pk, s_pkh, s_pkp, pv, s_pvh, s_pvp, pc, kv_first + pc,
-                    (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, sm_scale, nn, uu, dd, D, NR, RN, HP, VALUE_ROT)
-    if HAS_RECENT:
-        if split == num_splits - 1:
-            ring_first = tl.maximum(ring_lo, kv_first)
-            rk = rk_ptr + b.to(tl.int64) * s_rkb + (hp * HP).to(tl.int64) * s_rkh
-            rv = rv_ptr + b.to(tl.int64) * s_rvb + (hp * HP).to(tl.int64) * s_rvh
-            for j0 in tl.range(ring_first, seq_len, RN, num_stages=1):
-                rpos = j0 + tl.arange(0, RN)
-                m_i, l_i, a0, a1, a2, a3, acc_x, bias = _exact_warp_tile(
-                    qx, m_i, l_i, a0, a1, a2, a3, acc_x, bias, rk, s_rkh, s_rkp, rv, s_rvh, s_rvp, rpos % recent_size,
-                    rpos, rpos < seq_len, qpos, sm_scale, nn, uu, dd, D, NR, RN, HP, VALUE_ROT)
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
 
     # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
     has = l_i > 0
@@ -383,20 +248,10 @@ def _warp_kernel(
     om = row_ok[None, :]
     lo = (inv_l * 16777216.0)[None, :]
     hi = (inv_l * 1048576.0)[None, :]
-    if VALUE_ROT:  # back from the rotated value space: out^T = Rv^T[:, coordinate set c] @ out_c, then the exact part
-        out = tl.dot(_rotation_columns(vrot_ptr, 2 * uu, dd, D), a0 * lo + bias_out, acc_x * inv_l[None, :],
-                     input_precision="tf32x3")
-        out = tl.dot(_rotation_columns(vrot_ptr, 2 * uu + D // 2, dd, D), a1 * hi + bias_out, out,
-                     input_precision="tf32x3")
-        out = tl.dot(_rotation_columns(vrot_ptr, 2 * uu + 1, dd, D), a2 * lo + bias_out, out, input_precision="tf32x3")
-        out = tl.dot(_rotation_columns(vrot_ptr, 2 * uu + 1 + D // 2, dd, D), a3 * hi + bias_out, out,
-                     input_precision="tf32x3")
-        tl.store(dst + dd[:, None], out, mask=om)
-    else:
-        tl.store(dst + (2 * uu)[:, None], a0 * lo + bias_out, mask=om)
-        tl.store(dst + (2 * uu + D // 2)[:, None], a1 * hi + bias_out, mask=om)
-        tl.store(dst + (2 * uu + 1)[:, None], a2 * lo + bias_out, mask=om)
-        tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
+    tl.store(dst + (2 * uu)[:, None], a0 * lo + bias_out, mask=om)
+    tl.store(dst + (2 * uu + D // 2)[:, None], a1 * hi + bias_out, mask=om)
+    tl.store(dst + (2 * uu + 1)[:, None], a2 * lo + bias_out, mask=om)
+    tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
 
 
 # one-warp programs an SM holds at once: ptxas gives the kernel 255 registers (no cap; 168 measured slower:
@@ -405,8 +260,7 @@ def _warp_kernel(
 PROGRAMS_PER_SM = 8
 
 
-def unsupported(layout: BlockLayout, rows: int, window: bool, sinks: bool, softcap: bool, exact_dtype_ok: bool
-                ) -> str | None:
+def unsupported(layout: BlockLayout, rows: int, plain: bool) -> str | None:
     """What this kernel would need that the launch lacks (None: it can run it)."""
     cfg, d = layout.config, layout.head_dim
     if not (cfg.uses_codebook and cfg.key_bits == 4 and cfg.value_bits == 4):
@@ -419,36 +273,31 @@ def unsupported(layout: BlockLayout, rows: int, window: bool, sinks: bool, softc
         return f"an even KV head count (got {layout.num_kv_heads})"
     if rows > COLUMNS // HEADS:
         return f"decode of <= {COLUMNS // HEADS} query rows per KV head (query heads per KV head x query length, got {rows})"
-    if window or sinks or softcap:
-        return "no sliding window, sinks or softcap"
-    if not exact_dtype_ok:
-        return "exact prefix and ring buffers in the query's dtype, fp16 or bf16"
+    if not plain:
+        return ("the plain format: no exact prefix or recent ring, key centering, value rotation, kv_start, "
+                "sliding window, sinks or softcap")
     return None
 
 
-def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, why_not: str | None, plain: bool, gpu_ptx: bool,
-           sms: int) -> bool:
-    """Whether a decode launch takes this kernel (why_not: unsupported()'s answer): tuning["warp_split"] if given
-    (True raises where unsupported); other tuning keys are the unified kernel's (its benchmarked variants), so they
-    keep it; else on a GPU running PTX at head_dim 128 when 4 x batch x KV heads fill the SMs, in the plain format
-    (the levers, centering, value rotation, the exact prefix and ring, are unmeasured here). H200, 32/8/128 4bit
-    S=32k, against the unified kernel (gpu_checks/session17, call 7 and call 9): B=16 0.2129 -> 0.1710 ms, B=8
-    0.1147 -> 0.1025; B=4 slower (0.0658 -> 0.0678), B=2 too (0.0423 -> 0.0467), B=1 (0.0297 -> 0.0362, prototype);
-    other head_dims unmeasured."""
+def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int) -> bool:
+    """Whether a decode launch takes this kernel: tuning["warp_split"] if given (True raises where unsupported);
+    other tuning keys are the unified kernel's (its benchmarked variants), so they keep it; else on a GPU running
+    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs. H200, 32/8/128 4bit S=32k, against the unified
+    kernel (gpu_checks/session17, call 7 and call 9): B=16 0.2129 -> 0.1710 ms, B=8 0.1147 -> 0.1025; B=4 slower
+    (0.0658 -> 0.0678), B=2 too (0.0423 -> 0.0467), B=1 (0.0297 -> 0.0362, prototype); other head_dims unmeasured."""
     forced = tuning.get("warp_split")
+    why = unsupported(layout, rows, plain)
     if forced:
-        if why_not is not None:
-            raise ValueError(f"tuning warp_split=True needs {why_not}")
+        if why is not None:
+            raise ValueError(f"tuning warp_split=True needs {why}")
         return True
     if forced is not None or tuning:
         return False
-    return why_not is None and plain and gpu_ptx and layout.head_dim == 128 and 4 * batch * layout.num_kv_heads >= sms
+    return why is None and gpu_ptx and layout.head_dim == 128 and 4 * batch * layout.num_kv_heads >= sms
 
 
 def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
-              workspace, max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict,
-              kv_start: bool, key_offset: bool, s_koff: int, prefix_len: int, recent_size: int,
-              exact_dtype: torch.dtype):
+              workspace, max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict):
     """The launch plan (attention._AttentionPlan) of this kernel and the split reduction."""
     d, hk, t = layout.head_dim, layout.num_kv_heads, layout.block_size
     device = str(pool.device)
@@ -474,14 +323,10 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     constants = dict(
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
         HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=7.5, HAS_KV_START=kv_start, HAS_KEY_OFFSET=key_offset,
-        VALUE_ROT=layout.config.value_rotation, HAS_PREFIX=prefix_len > 0, HAS_RECENT=recent_size > 0, RN=32,
-        # (the interpreter's bf16 dots return garbage, ENVIRONMENT.md: fp32 there)
-        EXACT_DTYPE=tl.float16 if exact_dtype == torch.float16 else (tl.bfloat16 if ptx else tl.float32), num_warps=1)
+        BIG=pool.numel() >= 2**31, HALF=7.5, num_warps=1)
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
-        rot=rotation_halves(layout, device), cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len,
-        recent_size=recent_size,
+        rot=rotation_halves(layout, device), cent=cent, vrot=vrot, s_koff=0, prefix_len=0, recent_size=0,
         scalars=(lq, num_splits, float(scale), 1.0, 0, layout.block_bytes, layout.plane_bytes),
         reduce=attention.reduce_site(b, hk, g, lq, num_splits, rho, d, dp), kernel=_warp_kernel)  # patched by tests
