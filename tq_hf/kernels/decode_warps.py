@@ -38,7 +38,7 @@ import triton.language as tl
 from ..layout import BlockLayout
 from . import attention
 from ._common import codec_tensors
-from .attention import LUT_WORDS_CONSTRAINTS, _load_meta, _value_nibbles, check_workspace
+from .attention import LUT_WORDS_CONSTRAINTS, _add_pairs, _load_meta, _value_nibbles, check_workspace
 from .key_lut import config_lut_bytes, lut_words_asm
 
 # query columns per program: 2 KV heads x 4 rows (G * Lq <= 4), the MMA's N
@@ -94,11 +94,6 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
             # iteration (offline sm_90a SASS: 1,163 -> 1,095 instructions per tile)
             tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, NR)),)
     return tiles, qdiv * q_big * (sm_scale * KEY_UNIT * 1.4426950408889634)
-
-
-@triton.jit
-def _add_pairs(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -323,7 +318,7 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     constants = dict(
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
         HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=7.5, num_warps=1)
+        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2, num_warps=1)
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
