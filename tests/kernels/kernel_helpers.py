@@ -16,7 +16,7 @@ BOUNDARY_RTOL = 1e-5  # a code may differ only for a coordinate this close to a 
 
 def make_layout(preset: str, num_kv_heads: int, head_dim: int, block_size: int = 16, **options) -> BlockLayout:
     """options: further TurboQuantConfig fields (key_centering=True, value_rotation=True)."""
-    rotation = "hadamard" if head_dim & (head_dim - 1) == 0 else "random"
+    rotation = options.pop("rotation", "hadamard" if head_dim & (head_dim - 1) == 0 else "random")
     plain = dict(key_centering=False, value_rotation=False, exact_prefix_tokens=0, recent_window=0)
     cfg = TurboQuantConfig.from_preset(preset, rotation=rotation, block_size=block_size, seed=3, **{**plain, **options})
     return BlockLayout(cfg, num_kv_heads, head_dim)
@@ -122,8 +122,10 @@ def check_rotated_values(got: torch.Tensor, want: torch.Tensor, layout: BlockLay
 
 
 def fill_cache(layout: BlockLayout, lens: list[int], device=DEVICE, extra_blocks: int = 2,
-               dtype=torch.float32, key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pool holding len tokens per row (random K/V via reference.store), scattered block table.
+               dtype=torch.float32, key_offset: torch.Tensor | None = None,
+               value_mean: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pool holding len tokens per row (random K/V via reference.store), scattered block table; values are
+    standard normal plus value_mean (0: zero-mean values, whose average over a long walk is small against them).
 
     With key_offset [H, D] (or per row [B, H, D]), keys get that mean added (as real biased keys
     would) and are stored centred on it.
@@ -140,7 +142,7 @@ def fill_cache(layout: BlockLayout, lens: list[int], device=DEVICE, extra_blocks
         pos = torch.arange(n, device=device)
         slots = table[row].long()[pos // t] * t + pos % t
         k = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=dtype) * 2
-        v = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=dtype) + 0.3
+        v = torch.randn(n, layout.num_kv_heads, layout.head_dim, device=device, dtype=dtype) + value_mean
         offset = key_offset if key_offset is None or key_offset.dim() == 2 else key_offset[row]  # per row: [B, H, D]
         if offset is not None:
             k = k + offset.to(dtype)

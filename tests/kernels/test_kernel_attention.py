@@ -1057,3 +1057,30 @@ def test_meta_words_decode_at_head_dim_128(preset):
     layout = make_layout(preset, 2, 128)
     tuning = {"meta_words": True, "vmid_chain": True, "bt_next": True}
     _check(layout, [71, 34], 1, 4, num_splits=2, kv_start=torch.tensor([0, 3], device=DEVICE), tuning=tuning)
+
+
+# Long walks on the GPU: 4 splits of 32k positions per sequence (decode, both decode kernels) and a 64-query chunk
+# (prefill tiles) at the end of 128k, zero-mean values (their average is ~100x smaller than they are). With the
+# value sums chained through the MMA's accumulator (which rounds toward zero), the error grew with the walk's
+# length: 1-5% here, 42% for the chunk (H200, gpu_checks/session18, call 7); attention._rescaled_dot.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,tuning,q_len,num_splits", [
+    ("4bit", {"warp_split": False}, 1, 4),
+    ("4bit", {"warp_split": True}, 1, 4),
+    ("k8v4", {}, 1, 4),
+    ("4bit", {}, 64, None),
+])
+def test_long_walk_accuracy_gpu(preset, tuning, q_len, num_splits):
+    layout = make_layout(preset, 8, 128)
+    lens = [131072, 131071 + q_len]
+    pool, table = fill_cache(layout, lens, "cuda", value_mean=0.0)
+    seq_lens = torch.tensor(lens, device="cuda")
+    query = torch.randn(2, 32, q_len, 128, device="cuda", dtype=torch.float16)
+    scale = default_scale(128)
+    want = torch.cat([reference.paged_attention(query[i:i + 1].float(), pool, layout, table[i:i + 1],
+                                                seq_lens[i:i + 1], scale) for i in range(2)])
+    got = unified_attention(query, pool, layout, table, seq_lens, scale, out=torch.full_like(query, float("nan")),
+                            num_splits=num_splits, tuning=tuning)
+    err, tol = rel_error(got, want), attention_tolerance(torch.float16, want)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({preset}, tuning {tuning}, Lq={q_len})"

@@ -52,6 +52,12 @@ def test_warp_decode_split_counts_agree(num_splits):
     _check(make_layout("4bit", 2, 128), [250, 61], 4, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_warp_decode_random_rotation(head_dim):
+    """A general rotation: the prologue reads R (its high and low fp16 halves) instead of building H."""
+    _check(make_layout("4bit", 2, head_dim, rotation="random"), [140, 33], 4)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_warp_decode_large_activations(dtype):
     """Queries far beyond fp16's range (bf16/fp32 inputs): the prologue scales them before its fp16 MMAs."""
@@ -98,7 +104,10 @@ def _capture(monkeypatch) -> dict:
     (16, 8, 131072, 16),
     (32, 8, 32768, 8),
     (16, 8, 256, 8),  # at most one 32-token tile per split
-    (4, 8, 32768, None),  # 4 x 4 x 8 KV heads < 132 SMs: the unified kernel
+    (4, 8, 32768, 64),  # 4 x 4 x 8 KV heads < 132 SMs, but a walk of 4 x 8 x 32k >= WALK_TOKENS
+    (1, 8, 131072, 256),
+    (1, 8, 32768, None),  # neither: the unified kernel
+    (2, 8, 16384, None),
 ])
 def test_gpu_warp_decode_choice(monkeypatch, batch, heads, length, splits):
     """Where an H200 decode of the plain 4bit format (32/8/128) takes the one-warp kernel, and its split count."""
@@ -158,7 +167,8 @@ def test_warp_decode_cuda_graph_replay_gpu():
     """Captured once in a CUDA graph (as the launcher picks it, B=16 x 8 KV heads), replayed after the next step's
     new query and shorter lengths are written in place: no host sync, the lengths read on the device."""
     layout = make_layout("4bit", 8, 128)
-    assert decode_warps.wanted({}, layout, 4, 16, True, True, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert decode_warps.wanted({}, layout, 4, 16, True, True, torch.cuda.get_device_properties(0).multi_processor_count,
+                               4096)
     lens = [4000, 1234, 9, 2048] * 4
     pool, table = fill_cache(layout, lens, "cuda")
     seq = torch.tensor(lens, device="cuda")

@@ -60,6 +60,17 @@ def fp8e4m3_bits(x):
 
 # ---- the randomized Hadamard rotation (rotation="hadamard") without reading R ---------------------------
 @triton.jit
+def hadamard_entries(rows, cols, col_ok):
+    """[rows, cols] fp16 entries (-1)^popcount(rows[r] & cols[c]) of the Sylvester Hadamard matrix where col_ok[c]
+    (else 0), built in registers; coordinates < 256."""
+    p = rows[:, None] & cols[None, :]
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return tl.where(col_ok[None, :], tl.where((p & 1) != 0, -1.0, 1.0), 0.0).to(tl.float16)
+
+
+@triton.jit
 def hadamard_dot(x, rows, cols, col_ok, acc, TERMS: tl.constexpr = 2):
     """acc + x @ M with M[r, c] = (-1)^popcount(rows[r] & cols[c]) where col_ok[c] (else 0): entries of the
     Sylvester Hadamard matrix (exact in fp16), built in registers instead of read from memory. x fp32 with
@@ -67,11 +78,7 @@ def hadamard_dot(x, rows, cols, col_ok, acc, TERMS: tl.constexpr = 2):
     exact to ~2^-22 of the row's largest entry (as the 3xTF32 products of a general rotation; the attention's
     query), 3 to the fp32 accumulation (the store, whose codes must match reference.py's fp32 rotation).
     Coordinates < 256 (8 bits: head_dim <= 256, config.HEAD_DIM_RANGE)."""
-    p = rows[:, None] & cols[None, :]
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    m = tl.where(col_ok[None, :], tl.where((p & 1) != 0, -1.0, 1.0), 0.0).to(tl.float16)
+    m = hadamard_entries(rows, cols, col_ok)
     hi = x.to(tl.float16)
     rest = x - hi.to(tl.float32)
     if TERMS == 3:

@@ -307,6 +307,16 @@ def _add_pairs(a0, b0, a1, b1):
 
 
 @triton.jit
+def _rescaled_dot(a, b, acc, alpha):
+    """acc * alpha + a @ b, the tile's product summed from zero and added in one fp32 FMA. The values' codes are
+    unsigned (their offset rides in the bias term), so the code sums run ~7.5x the result's scale per element and
+    far more once random-signed values average out; chained through the MMA's accumulator, whose additions round
+    toward zero (H200), a long walk's bias grew with its length: 8% relative error at 32/8/128 B=16 S=128k
+    (gpu_checks/session18, call 6). Rounded to nearest once per tile, it stays at the arithmetic's level."""
+    return tl.fma(acc, alpha, tl.dot(a, b))
+
+
+@triton.jit
 def _log2_logits(s, softcap, HAS_SOFTCAP: tl.constexpr):
     """Scaled scores -> log2-domain logits, soft-capped first (tanh via exp of -|s|: no overflow)."""
     if HAS_SOFTCAP:
@@ -584,49 +594,53 @@ def _pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1,
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
         v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
-        acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
+        acc0 = _rescaled_dot(ps, v0, acc0, alpha[:, None])
+        acc1 = _rescaled_dot(ps, v1, acc1, alpha[:, None])
+        acc2 = _rescaled_dot(ps, v2, acc2, alpha[:, None])
+        acc3 = _rescaled_dot(ps, v3, acc3, alpha[:, None])
     elif VALUE_BITS == 4 and VALUE_WORDS:
-        acc0 = acc0 * alpha[:, None]
-        acc1 = acc1 * alpha[:, None]
-        acc2 = acc2 * alpha[:, None]
-        acc3 = acc3 * alpha[:, None]
+        t0 = tl.zeros(acc0.shape, tl.float32)  # the tile's sums from zero (_rescaled_dot)
+        t1 = tl.zeros(acc1.shape, tl.float32)
+        t2 = tl.zeros(acc2.shape, tl.float32)
+        t3 = tl.zeros(acc3.shape, tl.float32)
         for j in tl.static_range(HP):  # HP KV heads: P's rows outside head j's are zero in its dots
             v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
             vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
             v0, v1, v2, v3 = _value_nibbles(vw, VALUE_PTX)
             ps_j = tl.where(sub[:, None] == j, ps, 0.0)
-            acc0 = tl.dot(ps_j, v0, acc0)
-            acc1 = tl.dot(ps_j, v1, acc1)
-            acc2 = tl.dot(ps_j, v2, acc2)
-            acc3 = tl.dot(ps_j, v3, acc3)
+            t0 = tl.dot(ps_j, v0, t0)
+            t1 = tl.dot(ps_j, v1, t1)
+            t2 = tl.dot(ps_j, v2, t2)
+            t3 = tl.dot(ps_j, v3, t3)
+        acc0 = tl.fma(acc0, alpha[:, None], t0)
+        acc1 = tl.fma(acc1, alpha[:, None], t1)
+        acc2 = tl.fma(acc2, alpha[:, None], t2)
+        acc3 = tl.fma(acc3, alpha[:, None], t3)
     elif VALUE_BITS == 4:
         vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
-        acc0 = tl.dot(ps, _nibbles_to_f16(vb, False), acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, _nibbles_to_f16(vb, True), acc1 * alpha[:, None])
+        acc0 = _rescaled_dot(ps, _nibbles_to_f16(vb, False), acc0, alpha[:, None])
+        acc1 = _rescaled_dot(ps, _nibbles_to_f16(vb, True), acc1, alpha[:, None])
     elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + V_N + (vcol % (D // 8))[None, :], mask=vm, other=0)
         v0, v1, v2, v3 = _value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX)
-        acc0 = tl.dot(ps, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(ps, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(ps, v3, acc3 * alpha[:, None])
+        acc0 = _rescaled_dot(ps, v0, acc0, alpha[:, None])
+        acc1 = _rescaled_dot(ps, v1, acc1, alpha[:, None])
+        acc2 = _rescaled_dot(ps, v2, acc2, alpha[:, None])
+        acc3 = _rescaled_dot(ps, v3, acc3, alpha[:, None])
     elif VALUE_PLANES:  # 64-row tiles: acc_J, J = 0, 1, coordinates J * D/2 + vcol (codes a = 2J + vcol // (D/4))
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < V_N)
         j = vcol % (D // 4)
         low = tl.load(v_row + j[None, :], mask=vm, other=0)
         high = tl.load(v_row + D // 4 + (j % (D // 8))[None, :], mask=vm, other=0)
-        acc0 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 0, D), acc0 * alpha[:, None])
-        acc1 = tl.dot(ps, _value_plane_bytes(low, high, vcol, 1, D), acc1 * alpha[:, None])
+        acc0 = _rescaled_dot(ps, _value_plane_bytes(low, high, vcol, 0, D), acc0, alpha[:, None])
+        acc1 = _rescaled_dot(ps, _value_plane_bytes(low, high, vcol, 1, D), acc1, alpha[:, None])
     else:
         vc = _unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
-        acc0 = tl.dot(ps, vc.to(tl.float16), acc0 * alpha[:, None])
+        acc0 = _rescaled_dot(ps, vc.to(tl.float16), acc0, alpha[:, None])
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 
 
@@ -1189,7 +1203,7 @@ def unified_attention(
     [max(recent_from, seq_lens[b] - W), seq_lens[b]) (reference.overlay_recent). recent_from is a
     host int (a kernel argument: no sync, captured as is by a CUDA graph).
 
-    max_seq_len: host-side bound on seq_lens; sizes the decode split count without a device
+    max_seq_len: host-side bound on seq_lens; picks the decode kernel and sizes its split count without a device
     sync (default: the block table's capacity). num_splits: override the split-KV heuristic.
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
     tuning: overrides of the launch heuristics for benchmarks ({"block_m", "block_n", "num_warps", "num_stages",
@@ -1333,8 +1347,10 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     from . import decode_warps  # here: it imports this module
 
+    capacity = block_table.shape[1] * layout.block_size
     if decode_warps.wanted(tuning, layout, rows, b, plain_format and kv_start is None and sliding_window is None
-                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms):
+                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms,
+                           min(max_seq_len or capacity, capacity)):
         return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), cent, vrot,
                                       workspace, max_seq_len, block_table, num_splits, scale, sms, tuning)
     # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from ..layout import BlockLayout
 from . import attention
-from ._common import codec_tensors
+from ._common import codec_tensors, hadamard_entries, hadamard_signs
 from .attention import LUT_WORDS_CONSTRAINTS, _add_pairs, _load_meta, _value_nibbles, check_workspace
 from .key_lut import config_lut_bytes, lut_words_asm
 
@@ -56,44 +56,88 @@ def rotation_halves(layout: BlockLayout, device: str) -> torch.Tensor:
 
 
 @triton.jit
+def _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G: tl.constexpr, HP: tl.constexpr):
+    """Coordinates `coords` of the query rows of KV heads hp * HP .. + HP - 1 as fp32 [len(coords), NR] (column n:
+    head n % HP, row n // HP; zero past G * Lq rows)."""
+    r = nn // HP
+    qhead = (hp * HP + nn % HP) * G + r % G
+    return tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh
+                   + (r // G).to(tl.int64)[None, :] * s_ql + coords[:, None], mask=(r < G * Lq)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _split_dot(m, x, acc):
+    """acc + m @ x for fp16 m and fp32 x with |x| <= 1: x's high and low fp16 parts in two MMAs (to ~2**-22)."""
+    hi = x.to(tl.float16)
+    return tl.dot(m, hi, tl.dot(m, (x - hi.to(tl.float32)).to(tl.float16), acc))
+
+
+@triton.jit
 def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT: tl.constexpr,
-                   D: tl.constexpr, NR: tl.constexpr, G: tl.constexpr, HP: tl.constexpr):
+                   D: tl.constexpr, NR: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HADAMARD: tl.constexpr):
     """The query rows of KV heads hp * HP .. + HP - 1, rotated (q @ R^T), as HP * 4 fp16 [1, D/4, NR] tiles: tile
     4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's order) in the columns of head j
     (column n: head n % HP, row n // HP), zero in the others; and each column's log2 score scale. The query is
-    scaled to its largest magnitude first, so any range fits fp16; its high and low fp16 parts and R's meet in
-    three MMAs (the low x low term is below fp32 rounding of the sum)."""
-    jh = nn % HP
-    r = nn // HP
-    row_ok = r < G * Lq
-    qhead = (hp * HP + jh) * G + r % G
-    dd = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh
-                + (r // G).to(tl.int64)[None, :] * s_ql + dd[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
-    q_big = tl.max(tl.abs(q), axis=0)
-    q_big = tl.where(q_big > 0, q_big, 1.0)
-    q = q / q_big[None, :]
-    q_hi = q.to(tl.float16)
-    q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    scaled to its largest magnitude first, so any range fits fp16 (_split_dot).
+    General R: its high and low fp16 parts (rotation_halves) meet the query's in three MMAs per tile (the low x low
+    term is below fp32 rounding). HADAMARD (R = H diag(s) / sqrt(D), Sylvester H; R's first row gives s): as
+    coordinate (c // 2) * D/2 + 2u + c % 2 of H's index splits into bits, H[(c, u), (a, v, e)] =
+    (-1)^((c // 2) a + (c % 2) e) H_{D/4}[u, v] for query coordinate a * D/2 + 2v + e, so tile c is H_{D/4} (built
+    in registers) times a signed sum of the four quarters of s * q: no read of R, 8 small MMAs in all. Reading R in
+    every program (all of the grid's programs read the same 64 KiB from L2 at once) took ~8.7 of the prologue's
+    ~11 us (H200, 32/8/128 B=16; gpu_checks/session18, call 2)."""
     rotated = ()
     qmax = tl.zeros((NR,), tl.float32)
-    for c in tl.static_range(4):
-        coord = (c // 2) * (D // 2) + 2 * uu + c % 2
-        r_hi = tl.load(rot_ptr + coord[:, None] * D + dd[None, :])
-        r_lo = tl.load(rot_ptr + D * D + coord[:, None] * D + dd[None, :])
-        q_c = tl.dot(r_hi, q_hi, tl.dot(r_hi, q_lo, tl.dot(r_lo, q_hi)))
-        qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
-        rotated = rotated + (q_c,)
+    if HADAMARD:
+        U: tl.constexpr = D // 4
+        quarters = ()
+        for a in tl.static_range(2):
+            for e in tl.static_range(2):
+                coords = a * (D // 2) + 2 * uu + e
+                quarters = quarters + (_query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G, HP)
+                                       * hadamard_signs(rot_ptr, coords, D)[:, None],)
+        sums = ()
+        q_big = tl.zeros((NR,), tl.float32)
+        for c in tl.static_range(4):  # quarter (a, e) signed by (-1)^((c // 2) a + (c % 2) e)
+            y = quarters[0]
+            y = y - quarters[1] if c % 2 else y + quarters[1]
+            y = y - quarters[2] if c // 2 else y + quarters[2]
+            y = y + quarters[3] if (c // 2 + c % 2) % 2 == 0 else y - quarters[3]
+            q_big = tl.maximum(q_big, tl.max(tl.abs(y), axis=0))
+            sums = sums + (y,)
+        q_big = tl.where(q_big > 0, q_big, 1.0)
+        h = hadamard_entries(uu, uu, uu < U)
+        for c in tl.static_range(4):
+            q_c = _split_dot(h, sums[c] / q_big[None, :], tl.zeros((U, NR), tl.float32))
+            qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
+            rotated = rotated + (q_c,)
+    else:
+        dd = tl.arange(0, D)
+        q = _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, dd, nn, G, HP)
+        q_big = tl.max(tl.abs(q), axis=0)
+        q_big = tl.where(q_big > 0, q_big, 1.0)
+        q = q / q_big[None, :]
+        for c in tl.static_range(4):
+            coord = (c // 2) * (D // 2) + 2 * uu + c % 2
+            r_hi = tl.load(rot_ptr + coord[:, None] * D + dd[None, :])
+            r_lo = tl.load(rot_ptr + D * D + coord[:, None] * D + dd[None, :])
+            q_c = _split_dot(r_hi, q, tl.dot(r_lo, q.to(tl.float16)))
+            qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
+            rotated = rotated + (q_c,)
     qdiv = tl.where(qmax > 0, qmax, 1.0)
     tiles = ()
     for j in tl.static_range(HP):
         for c in tl.static_range(4):
-            tile = tl.where((jh == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
+            tile = tl.where((nn % HP == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
             # [1, D/4, NR] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
             # before the walk; as a 2D operand the conversion (32 shuffles + 32 byte permutes) ran in every
             # iteration (offline sm_90a SASS: 1,163 -> 1,095 instructions per tile)
             tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, NR)),)
-    return tiles, qdiv * q_big * (sm_scale * KEY_UNIT * 1.4426950408889634)
+    unit = sm_scale * KEY_UNIT * 1.4426950408889634
+    if HADAMARD:
+        unit = unit / tl.sqrt(D * 1.0)
+    return tiles, qdiv * q_big * unit
 
 
 @triton.jit
@@ -153,20 +197,24 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
     l_i = l_i * alpha + sum_p
     bias = bias * alpha + sum_pb
     ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)  # v_mid joins the MMA operand's chain: prefetched
-    a0 = a0 * alpha[None, :]
-    a1 = a1 * alpha[None, :]
-    a2 = a2 * alpha[None, :]
-    a3 = a3 * alpha[None, :]
+    t0 = tl.zeros(a0.shape, tl.float32)  # the tile's sums from zero (attention._rescaled_dot)
+    t1 = tl.zeros(a1.shape, tl.float32)
+    t2 = tl.zeros(a2.shape, tl.float32)
+    t3 = tl.zeros(a3.shape, tl.float32)
     for j in tl.static_range(HP):
         plane = base + j * plane_bytes
         vw = tl.load((pool_ptr + (plane + T * KB + off * VB)[None, :]).to(tl.pointer_type(tl.uint16)) + uu[:, None],
                      mask=ok[None, :], other=0)  # [D/4, N] value words, the MMA's A operand
         v0, v1, v2, v3 = _value_nibbles(vw, PTX)
         ps_j = tl.where(col_head == j, ps, 0.0)
-        a0 = tl.dot(v0, ps_j, a0)
-        a1 = tl.dot(v1, ps_j, a1)
-        a2 = tl.dot(v2, ps_j, a2)
-        a3 = tl.dot(v3, ps_j, a3)
+        t0 = tl.dot(v0, ps_j, t0)
+        t1 = tl.dot(v1, ps_j, t1)
+        t2 = tl.dot(v2, ps_j, t2)
+        t3 = tl.dot(v3, ps_j, t3)
+    a0 = tl.fma(a0, alpha[None, :], t0)
+    a1 = tl.fma(a1, alpha[None, :], t1)
+    a2 = tl.fma(a2, alpha[None, :], t2)
+    a3 = tl.fma(a3, alpha[None, :], t3)
     return m_new, l_i, a0, a1, a2, a3, bias
 
 
@@ -186,7 +234,7 @@ def _warp_kernel(
     D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
     BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
-    HALF: tl.constexpr,
+    HALF: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     split = tl.program_id(0)
     hp = tl.program_id(1)
@@ -205,7 +253,8 @@ def _warp_kernel(
     nn = tl.arange(0, NR)
     r = nn // HP
     qpos = seq_len - Lq + r // G
-    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP)
+    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP,
+                             HADAMARD)
 
     m_i = tl.full((NR,), -float("inf"), tl.float32)
     l_i = tl.zeros((NR,), tl.float32)
@@ -249,6 +298,9 @@ def _warp_kernel(
     tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
 
 
+# KV-head tokens of a decode walk from which this kernel beats the unified one on few sequences (wanted)
+WALK_TOKENS = 2**19
+
 # one-warp programs an SM holds at once: ptxas gives the kernel 255 registers (no cap; 168 measured slower:
 # H200, 32/8/128 B=16 S=32k, 0.1838 vs 0.1791 ms in the prototype) and 18 KB of shared memory (3 stages of 32-token
 # tiles)
@@ -274,12 +326,15 @@ def unsupported(layout: BlockLayout, rows: int, plain: bool) -> str | None:
     return None
 
 
-def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int) -> bool:
+def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int,
+           kv_len: int) -> bool:
     """Whether a decode launch takes this kernel: tuning["warp_split"] if given (True raises where unsupported);
     other tuning keys are the unified kernel's (its benchmarked variants), so they keep it; else on a GPU running
-    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs. H200, 32/8/128 4bit S=32k, against the unified
-    kernel (gpu_checks/session17, call 7 and call 9): B=16 0.2129 -> 0.1710 ms, B=8 0.1147 -> 0.1025; B=4 slower
-    (0.0658 -> 0.0678), B=2 too (0.0423 -> 0.0467), B=1 (0.0297 -> 0.0362, prototype); other head_dims unmeasured."""
+    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs or the walk holds >= WALK_TOKENS (batch x KV heads x
+    kv_len, the host's bound on the length). H200, 32/8/128 4bit, against the unified kernel (gpu_checks/session18,
+    call 7, with the Hadamard prologue): S=32k B=16 0.2103 -> 0.1712 ms, B=4 0.0653 -> 0.0611, B=2 0.0418 ->
+    0.0400, B=1 0.0300 -> 0.0297 (even: unified kept below WALK_TOKENS); B=1 S=128k 0.0661 -> 0.0603; B=1 S=4k
+    slower (0.0155 -> 0.0163); other head_dims unmeasured."""
     forced = tuning.get("warp_split")
     why = unsupported(layout, rows, plain)
     if forced:
@@ -288,7 +343,8 @@ def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool
         return True
     if forced is not None or tuning:
         return False
-    return why is None and gpu_ptx and layout.head_dim == 128 and 4 * batch * layout.num_kv_heads >= sms
+    fills = 4 * batch * layout.num_kv_heads >= sms or batch * layout.num_kv_heads * kv_len >= WALK_TOKENS
+    return why is None and gpu_ptx and layout.head_dim == 128 and fills
 
 
 def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
@@ -318,7 +374,8 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     constants = dict(
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
         HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2, num_warps=1)
+        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2,
+        HADAMARD=layout.config.rotation == "hadamard", num_warps=1)
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,

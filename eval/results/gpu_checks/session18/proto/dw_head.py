@@ -1,0 +1,327 @@
+"""Split decode in one-warp programs: 4-bit codebook keys and 4-bit values, plain format, KV heads in pairs.
+
+Why: the unified kernel's decode spreads each tile's tokens over 4 warps, so every tile's online softmax
+needs cross-warp reductions, and P crosses shared memory, behind CTA barriers (H200 Nsight Compute, 32/8/128
+B=16 S=32k: issue slots 45% busy, 2 programs of 4 warps per SM; gpu_checks/session14/call8). Here a program is
+one warp with its own softmax state; more split programs take the place of the warps and the split
+reduction (reduce.py) merges them. The scores are S^T = K Q^T: the tokens on the MMA's M, the query rows of
+two KV heads on its N = 8 (a 16-row tile held 4 real rows per head), so a tile of 32 tokens of both heads
+takes 64 MMAs and a softmax over 8 scores per thread, against 128 and 16; the values' product is
+O^T = V^T P^T. Offline sm_90a SASS (Triton 3.6): 1,095 instructions per 32 tokens of two heads (the unified
+kernel: 1,310 per 4-warp tile, the same tokens per warp) and no CTA barrier in the loop.
+
+H200, 32/8/128 4bit against the unified kernel (eval/results/gpu_checks/session17): B=16 S=32k 0.2129 -> 0.1702 ms
+(0.35x fp16 SDPA), S=128k 0.810 -> 0.598, B=32 0.406 -> 0.304, B=8 0.1147 -> 0.1025.
+Measured and not kept (call 10, call 11): the lookup's first table word loaded into a register once instead of
+the immediate ptxas re-materializes before every lookup (1,095 -> 1,042 instructions per tile, yet B=16 S=32k
+0.1710 -> 0.1758 ms), the tile's rows in metadata-pair order (1,083 instructions, 0.1702 -> 0.1722), 4 stages
+(0.1745), 2 stages (0.1896), 64-token tiles (0.2379, spills), 168 registers (12 programs per SM, 0.1838 vs
+0.1791 in the prototype), the split reduction fused into the last split (0.1838 vs 0.1799: its merge is serial),
+and the preset's levers in this kernel (bac32e9: centering, value rotation, the exact prefix in the first split and
+the ring in the last; call 13, the 4bit preset's defaults: B=16 0.2228 -> 0.2364 ms, B=8 0.1354 -> 0.1646, with
+spills in the walk at 255 registers), so the levers keep the unified kernel.
+
+The key and value codes are decoded by the same asm as the unified kernel's code words (key_lut.py,
+value_nibbles.py): keys as the MMA's A operand [tokens, words] (two words of a token per register), values
+as its A operand [words, tokens] (two tokens' words per register). The query is rotated in the prologue by
+fp16 MMAs over R's high and low halves (rotation_halves), so no fp32 splitting (tf32x3) runs there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..layout import BlockLayout
+from . import attention
+from ._common import codec_tensors
+from .attention import LUT_WORDS_CONSTRAINTS, _add_pairs, _load_meta, _value_nibbles, check_workspace
+from .key_lut import config_lut_bytes, lut_words_asm
+
+# query columns per program: 2 KV heads x 4 rows (G * Lq <= 4), the MMA's N
+COLUMNS = 8
+HEADS = 2
+
+
+@functools.lru_cache(maxsize=None)
+def rotation_halves(layout: BlockLayout, device: str) -> torch.Tensor:
+    """R [D, D] as fp16 high and low parts [2, D, D] (R = hi + lo to ~2**-22): the prologue's q @ R^T in
+    fp16 MMAs with fp32 sums."""
+    rot = codec_tensors(layout, device)[0]
+    hi = rot.half()
+    return torch.stack([hi, (rot - hi.float()).half()]).contiguous()
+
+
+@triton.jit
+def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT: tl.constexpr,
+                   D: tl.constexpr, NR: tl.constexpr, G: tl.constexpr, HP: tl.constexpr):
+    """The query rows of KV heads hp * HP .. + HP - 1, rotated (q @ R^T), as HP * 4 fp16 [1, D/4, NR] tiles: tile
+    4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's order) in the columns of head j
+    (column n: head n % HP, row n // HP), zero in the others; and each column's log2 score scale. The query is
+    scaled to its largest magnitude first, so any range fits fp16; its high and low fp16 parts and R's meet in
+    three MMAs (the low x low term is below fp32 rounding of the sum)."""
+    jh = nn % HP
+    r = nn // HP
+    row_ok = r < G * Lq
+    qhead = (hp * HP + jh) * G + r % G
+    dd = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh
+                + (r // G).to(tl.int64)[None, :] * s_ql + dd[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
+    q_big = tl.max(tl.abs(q), axis=0)
+    q_big = tl.where(q_big > 0, q_big, 1.0)
+    q = q / q_big[None, :]
+    q_hi = q.to(tl.float16)
+    q_lo = (q - q_hi.to(tl.float32)).to(tl.float16)
+    rotated = ()
+    qmax = tl.zeros((NR,), tl.float32)
+    for c in tl.static_range(4):
+        coord = (c // 2) * (D // 2) + 2 * uu + c % 2
+        r_hi = tl.load(rot_ptr + coord[:, None] * D + dd[None, :])
+        r_lo = tl.load(rot_ptr + D * D + coord[:, None] * D + dd[None, :])
+        q_c = tl.dot(r_hi, q_hi, tl.dot(r_hi, q_lo, tl.dot(r_lo, q_hi)))
+        qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
+        rotated = rotated + (q_c,)
+    qdiv = tl.where(qmax > 0, qmax, 1.0)
+    tiles = ()
+    for j in tl.static_range(HP):
+        for c in tl.static_range(4):
+            tile = tl.where((jh == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
+            # [1, D/4, NR] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
+            # before the walk; as a 2D operand the conversion (32 shuffles + 32 byte permutes) ran in every
+            # iteration (offline sm_90a SASS: 1,163 -> 1,095 instructions per tile)
+            tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, NR)),)
+    return tiles, qdiv * q_big * (sm_scale * KEY_UNIT * 1.4426950408889634)
+
+
+@triton.jit
+def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
+               plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
+               D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
+               BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
+               MASKED: tl.constexpr):
+    """One BLOCK_N-token tile [t0, t0 + BLOCK_N) of both heads: scores, online softmax, values. MASKED: the
+    tile may reach past `end` or past a row's position (causal, Lq > 1); else every score is visible."""
+    tok = t0 + ii
+    if MASKED:
+        ok = tok < end
+    else:
+        ok = tl.full((BLOCK_N,), True, tl.int1)
+    off = tok % T
+    if BIG:  # a pool of >= 2**31 bytes
+        base = blk.to(tl.int64) * block_bytes + head_off
+    else:
+        base = blk * block_bytes + head_off
+    col_head = (nn % HP)[None, :]  # the heads interleave in the columns: a function of the register, folded
+    s = tl.zeros((1, BLOCK_N, NR), tl.float32)
+    k_scale = tl.zeros((BLOCK_N, NR), tl.float32)
+    v_scale = tl.zeros((BLOCK_N, NR), tl.float32)
+    v_mid = tl.zeros((BLOCK_N, NR), tl.float32)
+    for j in tl.static_range(HP):
+        plane = base + j * plane_bytes
+        kw = tl.load((pool_ptr + (plane + off * KB)[:, None]).to(tl.pointer_type(tl.uint16)) + uu[None, :],
+                     mask=ok[:, None], other=0)  # [N, D/4] code words, the MMA's A operand
+        if PTX:
+            k0, k1, k2, k3 = tl.inline_asm_elementwise(LUT, LUT_WORDS_CONSTRAINTS, [kw],
+                                                       dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                                                       is_pure=True, pack=2)
+        else:  # the interpreter: the asm's values (centroid / KEY_UNIT, fp16 subnormals) by gathers
+            table = tl.broadcast_to((tl.load(cent_ptr + tl.arange(0, 16)) / KEY_UNIT).to(tl.float16)[None, :],
+                                    (BLOCK_N, 16))
+            k0 = tl.gather(table, (kw & 15).to(tl.int32), 1)
+            k1 = tl.gather(table, ((kw >> 8) & 15).to(tl.int32), 1)
+            k2 = tl.gather(table, ((kw >> 4) & 15).to(tl.int32), 1)
+            k3 = tl.gather(table, (kw >> 12).to(tl.int32), 1)
+        s = tl.dot(k0[None, :, :], qs[4 * j], s)
+        s = tl.dot(k1[None, :, :], qs[4 * j + 1], s)
+        s = tl.dot(k2[None, :, :], qs[4 * j + 2], s)
+        s = tl.dot(k3[None, :, :], qs[4 * j + 3], s)
+        mine = col_head == j
+        k_scale = tl.where(mine, _load_meta(pool_ptr, plane, 0, off, T, META, ok, True)[:, None], k_scale)
+        v_scale = tl.where(mine, _load_meta(pool_ptr, plane, 1, off, T, META, ok, True)[:, None], v_scale)
+        v_mid = tl.where(mine, _load_meta(pool_ptr, plane, 2, off, T, META, ok, True)[:, None], v_mid)
+    x = tl.reshape(s, (BLOCK_N, NR)) * k_scale
+    if MASKED:
+        x = tl.where(ok[:, None] & (tok[:, None] <= qpos[None, :]), x, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(x, axis=0) * rsc)
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp2(x * rsc[None, :] - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 0, _add_pairs)
+    l_i = l_i * alpha + sum_p
+    bias = bias * alpha + sum_pb
+    ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)  # v_mid joins the MMA operand's chain: prefetched
+    a0 = a0 * alpha[None, :]
+    a1 = a1 * alpha[None, :]
+    a2 = a2 * alpha[None, :]
+    a3 = a3 * alpha[None, :]
+    for j in tl.static_range(HP):
+        plane = base + j * plane_bytes
+        vw = tl.load((pool_ptr + (plane + T * KB + off * VB)[None, :]).to(tl.pointer_type(tl.uint16)) + uu[:, None],
+                     mask=ok[None, :], other=0)  # [D/4, N] value words, the MMA's A operand
+        v0, v1, v2, v3 = _value_nibbles(vw, PTX)
+        ps_j = tl.where(col_head == j, ps, 0.0)
+        a0 = tl.dot(v0, ps_j, a0)
+        a1 = tl.dot(v1, ps_j, a1)
+        a2 = tl.dot(v2, ps_j, a2)
+        a3 = tl.dot(v3, ps_j, a3)
+    return m_new, l_i, a0, a1, a2, a3, bias
+
+
+# The same runtime arguments as attention._attn_kernel (unified_attention builds one tuple); the exact prefix,
+# ring, key offset, value rotation, sinks and window are not this kernel's (the launcher never picks it there).
+@triton.jit(do_not_specialize=["recent_from", "Lq", "num_splits", "prefix_len"])
+def _warp_kernel(
+    q_ptr, s_qb, s_qh, s_ql, o_ptr, s_ob, s_oh, s_ol, pool_ptr, bt_ptr, s_bt, seq_ptr, kvs_ptr, sink_ptr,
+    rot_ptr,  # [2, D, D] fp16: R's high and low parts (rotation_halves)
+    cent_ptr,  # [16] fp32 centroids by stored code (the interpreter's gathers)
+    koff_ptr, s_koff, vrot_ptr,
+    pout_ptr,  # [B, Hk, NS, RHO, DP] fp32 split partial outputs
+    plse_ptr,  # [B, Hk, NS, RHO] fp32 split log2-sum-exp
+    pk_ptr, s_pkb, s_pkh, s_pkp, pv_ptr, s_pvb, s_pvh, s_pvp, prefix_len,
+    rk_ptr, s_rkb, s_rkh, s_rkp, rv_ptr, s_rvb, s_rvh, s_rvp, recent_size, recent_from,
+    Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
+    D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
+    G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
+    BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    split = tl.program_id(0)
+    hp = tl.program_id(1)
+    b = tl.program_id(2)
+    npairs = tl.num_programs(1)
+    U: tl.constexpr = D // 4
+    seq_len = tl.load(seq_ptr + b).to(tl.int32)
+    n_tiles = tl.cdiv(seq_len, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    start = split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, seq_len)
+    # whole tiles every row sees (positions <= seq_len - Lq), then the masked rest
+    body_end = start + tl.maximum(tl.minimum(end, seq_len - Lq + 1) - start, 0) // BLOCK_N * BLOCK_N
+    ii = tl.arange(0, BLOCK_N)
+    uu = tl.arange(0, U)
+    nn = tl.arange(0, NR)
+    r = nn // HP
+    qpos = seq_len - Lq + r // G
+    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP)
+
+    m_i = tl.full((NR,), -float("inf"), tl.float32)
+    l_i = tl.zeros((NR,), tl.float32)
+    bias = tl.zeros((NR,), tl.float32)
+    # accumulator c holds coordinate (c % 2) * D/2 + 2u + c // 2 of word u (_value_nibbles' order), in the codes'
+    # fp16 scale (x 2**-24, odd c x 2**-20)
+    a0 = tl.zeros((U, NR), tl.float32)
+    a1 = tl.zeros((U, NR), tl.float32)
+    a2 = tl.zeros((U, NR), tl.float32)
+    a3 = tl.zeros((U, NR), tl.float32)
+    head_off = hp * HP * plane_bytes
+    bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    # the walk's block-table entries an iteration ahead, so the codes' loads are direct (prefetched a tile ahead)
+    blk_n = tl.load(bt_row + (start + ii) // T, mask=start + ii < body_end, other=0)
+    for t0 in range(start, body_end, BLOCK_N):
+        blk = blk_n
+        blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
+        m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
+    for t0 in range(body_end, end, BLOCK_N):
+        blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
+        m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
+            t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
+
+    # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    bias_out = (bias * inv_l)[None, :]
+    row_ok = r < G * Lq
+    prow = ((b * (npairs * HP) + hp * HP + nn % HP) * num_splits + split) * RHO + r
+    tl.store(plse_ptr + prow, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf")), mask=row_ok)
+    dst = pout_ptr + prow.to(tl.int64)[None, :] * DP
+    om = row_ok[None, :]
+    lo = (inv_l * 16777216.0)[None, :]
+    hi = (inv_l * 1048576.0)[None, :]
+    tl.store(dst + (2 * uu)[:, None], a0 * lo + bias_out, mask=om)
+    tl.store(dst + (2 * uu + D // 2)[:, None], a1 * hi + bias_out, mask=om)
+    tl.store(dst + (2 * uu + 1)[:, None], a2 * lo + bias_out, mask=om)
+    tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
+
+
+# one-warp programs an SM holds at once: ptxas gives the kernel 255 registers (no cap; 168 measured slower:
+# H200, 32/8/128 B=16 S=32k, 0.1838 vs 0.1791 ms in the prototype) and 18 KB of shared memory (3 stages of 32-token
+# tiles)
+PROGRAMS_PER_SM = 8
+
+
+def unsupported(layout: BlockLayout, rows: int, plain: bool) -> str | None:
+    """What this kernel would need that the launch lacks (None: it can run it)."""
+    cfg, d = layout.config, layout.head_dim
+    if not (cfg.uses_codebook and cfg.key_bits == 4 and cfg.value_bits == 4):
+        return f"4-bit codebook keys and 4-bit values (got {cfg.key_bits}-bit keys, {cfg.value_bits}-bit values)"
+    if config_lut_bytes(cfg, d) is None:
+        return "4-bit centroids on the byte grid (reference.on_byte_grid)"
+    if d not in (64, 128, 256):
+        return f"head_dim 64, 128 or 256 (got {d})"
+    if layout.num_kv_heads % HEADS:
+        return f"an even KV head count (got {layout.num_kv_heads})"
+    if rows > COLUMNS // HEADS:
+        return f"decode of <= {COLUMNS // HEADS} query rows per KV head (query heads per KV head x query length, got {rows})"
+    if not plain:
+        return ("the plain format: no exact prefix or recent ring, key centering, value rotation, kv_start, "
+                "sliding window, sinks or softcap")
+    return None
+
+
+def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int) -> bool:
+    """Whether a decode launch takes this kernel: tuning["warp_split"] if given (True raises where unsupported);
+    other tuning keys are the unified kernel's (its benchmarked variants), so they keep it; else on a GPU running
+    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs. H200, 32/8/128 4bit S=32k, against the unified
+    kernel (gpu_checks/session17, call 7 and call 9): B=16 0.2129 -> 0.1710 ms, B=8 0.1147 -> 0.1025; B=4 slower
+    (0.0658 -> 0.0678), B=2 too (0.0423 -> 0.0467), B=1 (0.0297 -> 0.0362, prototype); other head_dims unmeasured."""
+    forced = tuning.get("warp_split")
+    why = unsupported(layout, rows, plain)
+    if forced:
+        if why is not None:
+            raise ValueError(f"tuning warp_split=True needs {why}")
+        return True
+    if forced is not None or tuning:
+        return False
+    return why is None and gpu_ptx and layout.head_dim == 128 and 4 * batch * layout.num_kv_heads >= sms
+
+
+def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
+              workspace, max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict):
+    """The launch plan (attention._AttentionPlan) of this kernel and the split reduction."""
+    d, hk, t = layout.head_dim, layout.num_kv_heads, layout.block_size
+    device = str(pool.device)
+    block_n = tuning.get("block_n", 32 if ptx else 16)
+    if block_n not in (16, 32, 64):
+        raise ValueError(f"tuning block_n must be 16, 32 or 64 tokens for warp_split, got {block_n!r}")
+    num_stages = tuning.get("num_stages", 3 if ptx else 1)
+    capacity = block_table.shape[1] * t
+    kv_tiles = max(1, triton.cdiv(min(max_seq_len or capacity, capacity), block_n))
+    if num_splits is None:
+        # one wave of programs (more measured slower: a partial second wave; fewer left SMs idle), a power of two
+        # that splits power-of-two lengths evenly (H200, B=16 S=32k: 12 / 16 / 20 splits 0.2158 / 0.1804 / 0.2112 ms)
+        want = max(1, min(PROGRAMS_PER_SM * sms // (b * hk // HEADS), kv_tiles, 256))
+        num_splits = 1 << (want.bit_length() - 1)
+    if type(num_splits) is not int or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    rho = COLUMNS // HEADS  # partial rows per KV head
+    dp = triton.next_power_of_2(d)
+    partial_rows = b * hk * num_splits * rho
+    workspace_numel = partial_rows * (dp + 1)
+    check_workspace(workspace, workspace_numel, pool.device)
+    table, unit = config_lut_bytes(layout.config, d)
+    constants = dict(
+        D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
+        HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
+        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2, num_warps=1)
+    return plan_cls(
+        layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
+        split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
+        rot=rotation_halves(layout, device), cent=cent, vrot=vrot, s_koff=0, prefix_len=0, recent_size=0,
+        scalars=(lq, num_splits, float(scale), 1.0, 0, layout.block_bytes, layout.plane_bytes),
+        reduce=attention.reduce_site(b, hk, g, lq, num_splits, rho, d, dp), kernel=_warp_kernel)  # patched by tests
