@@ -1401,14 +1401,16 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
             # (H200, B=16 S=32k: 0.31 vs 0.35 ms plain, 0.36 vs 0.42 ms with all levers; at B=1-4 the
             # split walks are too short to gain: eval/results/decode_lookups/session5_3)
             block_n, maxnreg = 128, 128
-        elif cfg.key_bits == 8 and d == 128 and on_gpu and (b * hk >= 32 or not plain_format):
+        elif cfg.key_bits == 8 and d == 128 and on_gpu:
             # FP8 keys in 128 registers from 4 sequences of 8 KV heads: with value rotation the epilogue took
             # 184 (253 with the exact prefix and ring), 2 programs per SM. H200, k8v4 S=32k, outputs
             # bit-identical: B=16 plain 0.2905 -> 0.2853 ms, value rotation 0.4225 -> 0.3001, the preset's
             # defaults 0.4348 -> 0.3659 (gpu_checks/session9/call8); B=8 plain 0.1556 -> 0.1533, defaults
             # 0.2471 -> 0.2171; B=4 plain 0.0876 -> 0.0867, defaults 0.1501 -> 0.1350; B=1 defaults
             # 0.0584 -> 0.0598, so not there (gpu_checks/session10/call1, call2, call5); since the exact tiles' 16-bit
-            # dots, with the levers also at B=1: defaults 0.0467 -> 0.0435 (gpu_checks/session15/call4)
+            # dots, with the levers also at B=1: defaults 0.0467 -> 0.0435 (gpu_checks/session15/call4); since the
+            # tile's value sums from zero (_rescaled_dot) the plain format took 138 uncapped at B=1 (128 before):
+            # B=1 S=32k 0.032 -> 0.0405 ms (gpu_checks/session18, call 9), so capped at any batch
             maxnreg = 128
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes likewise (uncapped 255 registers with spills): H200, k3v4 B=16 S=32k plain
