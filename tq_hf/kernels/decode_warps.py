@@ -23,8 +23,16 @@ spills in the walk at 255 registers), so the levers keep the unified kernel.
 
 The key and value codes are decoded by the same asm as the unified kernel's code words (key_lut.py,
 value_nibbles.py): keys as the MMA's A operand [tokens, words] (two words of a token per register), values
-as its A operand [words, tokens] (two tokens' words per register). The query is rotated in the prologue by
-fp16 MMAs over R's high and low halves (rotation_halves), so no fp32 splitting (tf32x3) runs there.
+as its A operand [words, tokens] (two tokens' words per register); each tile's value sums start from zero
+(attention._rescaled_dot). The query is rotated in the prologue by fp16 MMAs: with rotation="hadamard" (the
+default) by H_{D/4} built in registers over signed sums of the query's quarters, else over R's high and low halves
+(rotation_halves). Reading R in every program had taken ~8.7 of the prologue's ~11 us (all programs read the same
+64 KiB from L2 at once); now ~4 us (H200, 32/8/128 B=16, %globaltimer stamps; gpu_checks/session18, calls 2, 4),
+B=1-8 and short walks 4-25% faster (call 5), B=16 S=32k even (0.1704 -> 0.1712 ms, call 7).
+Measured and not kept (session 18, calls 2-4): the stamps show an SM's first four programs (one per warp scheduler)
+ending ~30 us before the four it receives next (B=16 S=32k: ~137 vs ~168 us); giving the first-launched half of
+the grid more of each sequence's tiles (each sequence's splits drawn from both halves) was slower at every share
+(B=16 S=32k 0.1737 ms even, 0.1892 at 36/64, 0.1913 at 37/64), so the splits stay equal.
 """
 
 from __future__ import annotations
