@@ -1215,7 +1215,8 @@ def unified_attention(
     one the pipeliner prefetches), "bt_next" (the walk's block-table entries loaded an iteration ahead),
     "pool32" (False: int64 pool addresses, as pools of >= 2**31 bytes take), "key_words" (4-bit keys as 16-bit
     code words), "head_pairs" (KV heads per decode program: 1, 2 or 4), "ring_n" (recent-window tile, tokens),
-    "warp_split" (decode_warps.py's one-warp programs: True/False; "block_n", "num_stages" apply to it too)}).
+    "warp_split" (decode_warps.py's one-warp programs: True/False; "block_n", "num_stages", "maxnreg" apply to it
+    too)}).
     Returns `out` (allocated if None) in query's dtype.
     """
     plan = _plan_for(query, pool, layout, block_table, seq_lens, kv_start, sinks, out, key_offset, prefix_keys,

@@ -32,7 +32,9 @@ B=1-8 and short walks 4-25% faster (call 5), B=16 S=32k even (0.1704 -> 0.1712 m
 Measured and not kept (session 18, calls 2-4): the stamps show an SM's first four programs (one per warp scheduler)
 ending ~30 us before the four it receives next (B=16 S=32k: ~137 vs ~168 us); giving the first-launched half of
 the grid more of each sequence's tiles (each sequence's splits drawn from both halves) was slower at every share
-(B=16 S=32k 0.1737 ms even, 0.1892 at 36/64, 0.1913 at 37/64), so the splits stay equal.
+(B=16 S=32k 0.1737 ms even, 0.1892 at 36/64, 0.1913 at 37/64), so the splits stay equal. With the new prologue the
+kernel fits 168 registers without spills (12 programs per SM), yet slower (call 11, tuning maxnreg: B=16 S=32k
+0.1705 -> 0.1742 ms with 1.5x the splits, 0.1744 without; 200 registers with 1.25x the splits 0.1975).
 """
 
 from __future__ import annotations
@@ -364,6 +366,7 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
     if block_n not in (16, 32, 64):
         raise ValueError(f"tuning block_n must be 16, 32 or 64 tokens for warp_split, got {block_n!r}")
     num_stages = tuning.get("num_stages", 3 if ptx else 1)
+    maxnreg = tuning.get("maxnreg")  # a register cap (None: ptxas's 255)
     capacity = block_table.shape[1] * t
     kv_tiles = max(1, triton.cdiv(min(max_seq_len or capacity, capacity), block_n))
     if num_splits is None:
@@ -383,7 +386,7 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
         D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
         HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
         BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2,
-        HADAMARD=layout.config.rotation == "hadamard", num_warps=1)
+        HADAMARD=layout.config.rotation == "hadamard", num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
     return plan_cls(
         layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
         split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
