@@ -1349,11 +1349,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
     from . import decode_warps  # here: it imports this module
 
     capacity = block_table.shape[1] * layout.block_size
+    kv_len = min(capacity if max_seq_len is None else max_seq_len, capacity)  # the host's bound on a walk
     if decode_warps.wanted(tuning, layout, rows, b, plain_format and kv_start is None and sliding_window is None
-                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms,
-                           min(max_seq_len or capacity, capacity)):
+                           and sinks is None and softcap is None, on_gpu and _runs_ptx(pool.device), sms, kv_len):
         return decode_warps.make_plan(_AttentionPlan, layout, pool, b, g, lq, _runs_ptx(pool.device), cent, vrot,
-                                      workspace, max_seq_len, block_table, num_splits, scale, sms, tuning)
+                                      workspace, kv_len, num_splits, scale, sms, tuning)
     # two KV heads per program (HP): their query rows share one 16-row MMA tile (rows 0-7 and 8-15), so the
     # softmax, its reductions and P's trip through shared memory serve both heads; the 4-bit code words of both are
     # looked up. Offline sm_90a, B=16 S=32k: 1,504 instructions per 128-token tile of two heads vs 892 per head.
@@ -1519,8 +1519,7 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
                          f"divisible by {hp}; got {rows} rows, block_m {block_m}, key_words={key_words}, "
                          f"value_words={value_words}, meta_pairs={meta_pairs}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
-    max_len = max_seq_len if max_seq_len is not None else block_table.shape[1] * layout.block_size
-    kv_tiles = max(1, triton.cdiv(min(max_len, block_table.shape[1] * layout.block_size), block_n))
+    kv_tiles = max(1, triton.cdiv(kv_len, block_n))
     if num_splits is None:
         programs = b * (hk // hp) * m_tiles
         # FP8 keys dequantize cheaply and want more loads in flight; codebook keys more work per split

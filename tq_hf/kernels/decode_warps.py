@@ -358,8 +358,9 @@ def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool
 
 
 def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
-              workspace, max_seq_len, block_table: torch.Tensor, num_splits, scale: float, sms: int, tuning: dict):
-    """The launch plan (attention._AttentionPlan) of this kernel and the split reduction."""
+              workspace, kv_len: int, num_splits, scale: float, sms: int, tuning: dict):
+    """The launch plan (attention._AttentionPlan) of this kernel and the split reduction; kv_len: the host's bound
+    on the walk's length (max_seq_len within the block table's capacity)."""
     d, hk, t = layout.head_dim, layout.num_kv_heads, layout.block_size
     device = str(pool.device)
     block_n = tuning.get("block_n", 32 if ptx else 16)
@@ -367,8 +368,7 @@ def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int,
         raise ValueError(f"tuning block_n must be 16, 32 or 64 tokens for warp_split, got {block_n!r}")
     num_stages = tuning.get("num_stages", 3 if ptx else 1)
     maxnreg = tuning.get("maxnreg")  # a register cap (None: ptxas's 255)
-    capacity = block_table.shape[1] * t
-    kv_tiles = max(1, triton.cdiv(min(max_seq_len or capacity, capacity), block_n))
+    kv_tiles = max(1, triton.cdiv(kv_len, block_n))
     if num_splits is None:
         # one wave of programs (more measured slower: a partial second wave; fewer left SMs idle), a power of two
         # that splits power-of-two lengths evenly (H200, B=16 S=32k: 12 / 16 / 20 splits 0.2158 / 0.1804 / 0.2112 ms)
