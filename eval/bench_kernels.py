@@ -35,7 +35,7 @@ OPTIONS_SUFFIX = "+opts"  # a preset name ending in this also turns on key_cente
 DEFAULTS_SUFFIX = "+defaults"  # ... the preset as TurboQuantCache uses it: every lever at its default (exact prefix, ring)
 
 
-def make_config(name: str, block_size: int = 16):
+def make_config(name: str, block_size: int | None = None):
     """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX or DEFAULTS_SUFFIX (else the
     plain format: no centering, value rotation, exact prefix or ring)."""
     from tq_hf.config import TurboQuantConfig
@@ -189,7 +189,7 @@ def bench_prefill(args, flush, results):
         vt = v[0].transpose(0, 1).contiguous()
         for preset in args.prefill_presets or (["4bit"] if args.quick else ["4bit", "k8v4"]):
             layout = BlockLayout(make_config(preset, args.block_size), hk, d)
-            nb = -(-s // 16)
+            nb = -(-s // layout.block_size)
             pool = layout.allocate(nb, "cuda")
             table = torch.arange(nb, device="cuda", dtype=torch.int32)[None]
             slots = torch.arange(s, device="cuda")
@@ -213,7 +213,7 @@ def bench_prefill(args, flush, results):
         if args.store_sweep:
             for preset in ("4bit", "k3v4"):
                 layout = BlockLayout(make_config(preset, args.block_size), hk, d)
-                pool = layout.allocate(-(-s // 16), "cuda")
+                pool = layout.allocate(-(-s // layout.block_size), "cuda")
                 slots = torch.arange(s, device="cuda")
                 for block_t in (16, 32, 64, 128):
                     for warps in (4, 8):
@@ -302,10 +302,15 @@ def bench_tune(args, flush, results):
         print(f"tune prefill 8k 4bit {tun}: {ms:.3f} ms", flush=True)
 
 
+def _block_label(results) -> str:
+    size = results.get("block_size", 16)  # runs before session 19 used 16 everywhere
+    return f"{size} tokens" if size else "the layout's default size (64 tokens at head_dim 128, 16 at 64)"
+
+
 def markdown(results) -> str:
     lines = [f"# Kernel benchmark ({results['gpu']})", "", f"Command: `{results['command']}`  ",
              f"torch {results['torch']}, triton {results['triton']}, python {results['python']}, "
-             f"cache blocks of {results.get('block_size', 16)} tokens", "",
+             f"cache blocks of {_block_label(results)}", "",
              "## Decode (one query per sequence): ms, ratio to fp16 SDPA, GB/s of compressed bytes", ""]
     presets = list(dict.fromkeys(p for r in results["decode"] for p in r if isinstance(r[p], dict)))
     lines.append("| B | S | Hq/Hk/D | fp16 SDPA ms | " + " | ".join(presets) + " |")
@@ -349,7 +354,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-presets", nargs="*", choices=PRESETS,
                     help="presets of the prefill and decode-step store sections (default 4bit k8v4)")
     ap.add_argument("--store-sweep", action="store_true", help="sweep store_kv tile sizes at each prefill length")
-    ap.add_argument("--block-size", type=int, default=16, choices=[16, 32, 64], help="tokens per cache block")
+    ap.add_argument("--block-size", type=int, choices=[16, 32, 64],
+                    help="tokens per cache block (default: the layout's per head_dim, layout.default_block_size)")
     ap.add_argument("--tag", help="output file stem (default kernels_bench, kernels_bench_quick with --quick)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "store", "tune"], help="sections to skip")
     args = ap.parse_args(argv)

@@ -14,7 +14,7 @@ from models import PLAIN_LEVERS, assert_close, fake_quantize
 from transformers import DynamicCache, LlamaConfig, Llama4TextConfig
 
 from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
-from tq_hf.cache import GROWTH_DIVISOR, MIN_GROWTH_BLOCKS, TurboQuantLayer
+from tq_hf.cache import GROWTH_DIVISOR, TurboQuantLayer, min_growth_blocks
 from tq_hf.layout import BlockLayout
 
 HEADS, DIM = 3, 64
@@ -253,7 +253,7 @@ def test_pool_is_exact_after_prefill_and_grows_geometrically():
         if layer.pool is not pool:
             reallocations, pool = reallocations + 1, layer.pool
         slack = layer.capacity - math.ceil(layer.length / 16)
-        assert slack <= max(MIN_GROWTH_BLOCKS, layer.capacity // GROWTH_DIVISOR)
+        assert slack <= max(min_growth_blocks(16), layer.capacity // GROWTH_DIVISOR)
     assert 2 <= reallocations <= 8
 
 

@@ -60,8 +60,10 @@ def test_from_preset_overrides():
 
 
 def test_from_preset_overrides_are_validated():
-    with pytest.raises(ValueError, match="block_size"):
-        TurboQuantConfig.from_preset("4bit", block_size=8)
+    for bad in (8, 16.0, True, "64"):
+        with pytest.raises(ValueError, match=r"block_size=.* supported values: 16, 32, 64, or None"):
+            TurboQuantConfig.from_preset("4bit", block_size=bad)
+    assert TurboQuantConfig().block_size is None  # chosen per head_dim by the layout (test_layout)
 
 
 def test_config_is_frozen():

@@ -11,13 +11,25 @@ from tq_hf.layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, Bloc
 ALL_HEAD_DIMS = tuple(range(32, 257, 16))
 
 
-def make_layout(preset: str, head_dim: int, block_size: int = 16, heads: int = 3) -> BlockLayout:
+def make_layout(preset: str, head_dim: int, block_size: int | None = 16, heads: int = 3) -> BlockLayout:
     rotation = "hadamard" if head_dim & (head_dim - 1) == 0 else "random"
     cfg = TurboQuantConfig.from_preset(preset, rotation=rotation, block_size=block_size)
     return BlockLayout(cfg, heads, head_dim)
 
 
 # ---- geometry -----------------------------------------------------------------------------------
+def test_block_size_default_per_head_dim():
+    """block_size=None (the default) takes default_block_size's choice: 64 at head_dim 128, 16 elsewhere; an
+    explicit size always wins."""
+    for head_dim in ALL_HEAD_DIMS:
+        lay = make_layout("4bit", head_dim, None)
+        assert lay.config.block_size is None
+        assert lay.block_size == (64 if head_dim == 128 else 16), head_dim
+        assert lay.plane_bytes == lay.block_size * lay.config.token_head_bytes(head_dim)
+        for t in BLOCK_SIZES:
+            assert make_layout("4bit", head_dim, t).block_size == t
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_sizes_match_config_and_regions_are_32_byte_aligned(preset, block_size):

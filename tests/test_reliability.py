@@ -33,7 +33,7 @@ from transformers.masking_utils import causal_mask_function
 
 from tq_hf import TurboQuantCache, TurboQuantConfig, ops, reference
 from tq_hf.attention import turboquant_attention_forward, turboquant_mask
-from tq_hf.cache import GROWTH_DIVISOR, MIN_GROWTH_BLOCKS, TurboQuantLayer
+from tq_hf.cache import GROWTH_DIVISOR, TurboQuantLayer, min_growth_blocks
 
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 2, 4, 2, 32, 16
 MAX_ROWS, MAX_LEN, MAX_CHUNK = 4, 72, 21
@@ -315,7 +315,7 @@ class CacheMachine(RuleBasedStateMachine):
             # no leak: the pool never exceeds the largest batch x the longest rows since reset, plus growth slack
             self.peak_rows = max(self.peak_rows, layer.rows)
             self.peak_blocks = max(self.peak_blocks, need)
-            per_row = self.peak_blocks + max(MIN_GROWTH_BLOCKS, self.peak_blocks // GROWTH_DIVISOR)
+            per_row = self.peak_blocks + max(min_growth_blocks(BLOCK), self.peak_blocks // GROWTH_DIVISOR)
             if self.reused_pool:  # known: the reinterpreted pool's per-row capacity is kept (see
                 # test_reused_pool_is_not_amplified_by_repeat); still bounded per row by the old pool
                 assert layer.capacity <= self.peak_rows * per_row, f"layer {i}: capacity {layer.capacity} leaks"
@@ -335,7 +335,7 @@ def test_reused_pool_is_not_amplified_by_repeat():
     cache.update(torch.randn(1, KV_HEADS, 5, HEAD_DIM), torch.randn(1, KV_HEADS, 5, HEAD_DIM), 0)
     cache.batch_repeat_interleave(4)
     need = 4 * math.ceil(5 / BLOCK)
-    assert layer.pool.shape[0] <= 4 * (1 + MIN_GROWTH_BLOCKS), f"{layer.pool.shape[0]} blocks for {need} needed"
+    assert layer.pool.shape[0] <= 4 * (1 + min_growth_blocks(BLOCK)), f"{layer.pool.shape[0]} blocks for {need} needed"
 
 
 SETTINGS = settings(max_examples=30, stateful_step_count=14, deadline=None,
@@ -466,5 +466,5 @@ def test_soak_script_runs_tiny_and_memory_stays_bounded(tmp_path):
     tq = TurboQuantConfig.from_preset("4bit")
     block = BlockLayout(tq, 2, 32).block_bytes
     exact_side = 2 * (tq.recent_window + tq.exact_prefix_tokens) * 2 * 32 * 4  # ring + prefix, K and V, fp32
-    assert a["peak"] <= 2 * 3 * ((math.ceil(96 / BLOCK) + MIN_GROWTH_BLOCKS) * block + exact_side), a
+    assert a["peak"] <= 2 * 3 * ((math.ceil(96 / BLOCK) + min_growth_blocks(BLOCK)) * block + exact_side), a
     assert len(saved["ms_per_op_windows"]) == 4 and min(saved["ms_per_op_windows"]) > 0

@@ -36,9 +36,14 @@ from .layout import BlockLayout
 ATTENTION_NAME = "turboquant"  # the attn_implementation that reads the compressed pool directly
 STEP_ATTRIBUTE = "_turboquant_step"  # attribute of the key tensor update() returns
 GROWTH_DIVISOR = 16  # grow a pool by >= 1/16 of its capacity: <= 6.25% slack, O(16) copies per doubling
-MIN_GROWTH_BLOCKS = 4  # ... and by at least this many blocks, so small caches do not copy every block
+MIN_GROWTH_TOKENS = 64  # ... and by at least this many tokens per row, so small caches do not copy every block
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/query dtypes the kernels take
+
+
+def min_growth_blocks(block_size: int) -> int:
+    """Blocks of block_size tokens a pool grows by at least (MIN_GROWTH_TOKENS, whole blocks)."""
+    return -(-MIN_GROWTH_TOKENS // block_size)
 
 
 class TurboQuantCacheFullError(RuntimeError):
@@ -332,7 +337,7 @@ class TurboQuantLayer(CacheLayerMixin):
                     f"but max_cache_tokens={self.max_cache_tokens} allows {limit * self.layout.block_size} per row; "
                     "raise max_cache_tokens or shorten the generation"
                 )
-        grown = needed if self.pool is None else max(needed, self.capacity + max(MIN_GROWTH_BLOCKS, self.capacity // GROWTH_DIVISOR))
+        grown = needed if self.pool is None else max(needed, self.capacity + max(min_growth_blocks(self.layout.block_size), self.capacity // GROWTH_DIVISOR))
         grown = grown if limit is None else min(grown, limit)
         pool = self.layout.allocate(grown * self.rows, self.device)
         if self.pool is not None:
@@ -371,7 +376,7 @@ class TurboQuantLayer(CacheLayerMixin):
         old = self.pool.view(self.capacity, self.rows, *plane)
         # the new pool holds what is used plus the usual growth slack, not the old capacity: a pool
         # kept from a long earlier request must not be multiplied by the new row count
-        capacity = min(self.capacity, used + max(MIN_GROWTH_BLOCKS, used // GROWTH_DIVISOR))
+        capacity = min(self.capacity, used + max(min_growth_blocks(self.layout.block_size), used // GROWTH_DIVISOR))
         pool = self.layout.allocate(capacity * new_rows, self.device)
         torch.index_select(old[:used], 1, indices, out=pool.view(capacity, new_rows, *plane)[:used])
         self.pool = pool

@@ -53,8 +53,8 @@ class TurboQuantConfig:
     rotation: "hadamard" (randomized Walsh-Hadamard, power-of-two head_dim; the GPU decode builds it in
         registers instead of reading it: 4bit S=32k B=1 9% faster on an H200) or "random" (seeded
         Haar-orthogonal matrix, any supported head_dim).
-    block_size: tokens per cache block (page); 16, 32 or 64 (64 decoded 4bit at B=1 S=32k ~3% faster
-        than 16 on an H200, B=16 2% slower: eval/results/gpu_checks/session12).
+    block_size: tokens per cache block (page); 16, 32 or 64, or None (the default): the layout picks it
+        per head_dim (layout.default_block_size: 64 at head_dim 128, 16 elsewhere, as measured fastest).
     full_precision_layers: layer indices kept in an ordinary dense cache (negative indices count
         from the end), e.g. (0, 1, -2, -1) for the first and last two, which the field found
         necessary at low bit widths without the levers below. Default (): on SmolLM2 they bought
@@ -88,7 +88,7 @@ class TurboQuantConfig:
     value_bits: int = 4
     norm_correction: bool = True
     rotation: str = "hadamard"
-    block_size: int = 16
+    block_size: int | None = None
     full_precision_layers: tuple[int, ...] = ()
     key_centering: bool = True
     value_rotation: bool = True
@@ -103,7 +103,9 @@ class TurboQuantConfig:
         _check_choice("key_bits", self.key_bits, KEY_BITS)
         _check_choice("value_bits", self.value_bits, VALUE_BITS)
         _check_choice("rotation", self.rotation, ROTATIONS)
-        _check_choice("block_size", self.block_size, BLOCK_SIZES)
+        if self.block_size is not None and (self.block_size not in BLOCK_SIZES or type(self.block_size) is not int):
+            raise ValueError(f"block_size={self.block_size!r} is not supported; supported values: "
+                             f"{', '.join(map(repr, BLOCK_SIZES))}, or None (chosen per head_dim)")
         _check_choice("prefill_attention", self.prefill_attention, PREFILL_MODES)
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_LAYER_MODES)
         for flag in ("norm_correction", "key_centering", "value_rotation"):

@@ -17,7 +17,7 @@ def test_preset_names(preset):
     assert defaults == TurboQuantConfig.from_preset(preset)  # as TurboQuantCache takes it
     assert defaults.exact_prefix_tokens > 0 and defaults.recent_window > 0
     for cfg in (plain, opts):  # the levers aside, the same format
-        assert (cfg.key_bits, cfg.value_bits, cfg.block_size) == (defaults.key_bits, defaults.value_bits, 16)
+        assert (cfg.key_bits, cfg.value_bits, cfg.block_size) == (defaults.key_bits, defaults.value_bits, None)
 
 
 def test_exact_buffers_shapes():

@@ -14,7 +14,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_RTOL = 1e-5  # a code may differ only for a coordinate this close to a decision boundary
 
 
-def make_layout(preset: str, num_kv_heads: int, head_dim: int, block_size: int = 16, **options) -> BlockLayout:
+def make_layout(preset: str, num_kv_heads: int, head_dim: int, block_size: int | None = 16, **options) -> BlockLayout:
     """options: further TurboQuantConfig fields (key_centering=True, value_rotation=True)."""
     rotation = options.pop("rotation", "hadamard" if head_dim & (head_dim - 1) == 0 else "random")
     plain = dict(key_centering=False, value_rotation=False, exact_prefix_tokens=0, recent_window=0)

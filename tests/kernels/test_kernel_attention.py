@@ -690,8 +690,9 @@ def _check_graph_replay(args: tuple, kwargs: dict, next_step) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_32k_gpu(preset, dtype):
-    layout = make_layout(preset, 8, 128)
+@pytest.mark.parametrize("block_size", [16, None])  # None: the layout's default (64 tokens at head_dim 128)
+def test_decode_32k_gpu(preset, dtype, block_size):
+    layout = make_layout(preset, 8, 128, block_size=block_size)
     _check(layout, [32768, 32768 - 77], 1, 4, dtype=dtype, device="cuda", max_seq_len=32768)
 
 
@@ -743,8 +744,9 @@ def test_head_pairs_with_format_options_gpu(batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_prefill_8k_gpu(dtype):
-    layout = make_layout("4bit", 2, 128)
+@pytest.mark.parametrize("block_size", [16, None])
+def test_prefill_8k_gpu(dtype, block_size):
+    layout = make_layout("4bit", 2, 128, block_size=block_size)
     _check(layout, [8192], 8192, 4, dtype=dtype, device="cuda")
 
 

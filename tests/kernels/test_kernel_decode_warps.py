@@ -47,6 +47,12 @@ def test_warp_decode_matches_reference(group, q_len, head_dim, lens):
     _check(make_layout("4bit", 4, head_dim), lens, group, q_len)
 
 
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_warp_decode_block_sizes(block_size):
+    """Blocks of 32 and 64 tokens (64: the layout's default at head_dim 128), walks ending mid-block."""
+    _check(make_layout("4bit", 2, 128, block_size=block_size), [300, 77, 1], 4)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_warp_decode_split_counts_agree(num_splits):
     _check(make_layout("4bit", 2, 128), [250, 61], 4, num_splits=num_splits)
@@ -141,13 +147,13 @@ def test_gpu_warp_decode_not_with_levers(monkeypatch, options, extra):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch,lens,dtype", [
-    (16, [32768, 32767, 20001, 4099] * 4, torch.float16),  # chosen by the launcher (B=16, 8 KV heads)
-    (8, [8191, 1, 5000, 300] * 2, torch.bfloat16),
+@pytest.mark.parametrize("batch,lens,dtype,block_size", [
+    (16, [32768, 32767, 20001, 4099] * 4, torch.float16, None),  # as the launcher and the layout choose (64 tokens)
+    (8, [8191, 1, 5000, 300] * 2, torch.bfloat16, 16),
 ])
-def test_warp_decode_gpu(batch, lens, dtype):
+def test_warp_decode_gpu(batch, lens, dtype, block_size):
     """The asm path at real sizes against the reference, and against the unified kernel on the same cache."""
-    layout = make_layout("4bit", 8, 128)
+    layout = make_layout("4bit", 8, 128, block_size=block_size)
     pool, table = fill_cache(layout, lens, "cuda")
     query = torch.randn(batch, 32, 1, 128, device="cuda").to(dtype)
     seq_lens = torch.tensor(lens, device="cuda")

@@ -11,7 +11,9 @@ O^T = V^T P^T. Offline sm_90a SASS (Triton 3.6): 1,095 instructions per 32 token
 kernel: 1,310 per 4-warp tile, the same tokens per warp) and no CTA barrier in the loop.
 
 H200, 32/8/128 4bit against the unified kernel (eval/results/gpu_checks/session17): B=16 S=32k 0.2129 -> 0.1702 ms
-(0.35x fp16 SDPA), S=128k 0.810 -> 0.598, B=32 0.406 -> 0.304, B=8 0.1147 -> 0.1025.
+(0.35x fp16 SDPA), S=128k 0.810 -> 0.598, B=32 0.406 -> 0.304, B=8 0.1147 -> 0.1025. Over 64-token blocks (the
+layout's default at head_dim 128: a tile's rows in one block) B=16 S=32k 0.1727 -> 0.1658 ms (0.34x), the same
+instructions per tile; a load-only walk of the same bytes takes 0.140 ms (gpu_checks/session19).
 Measured and not kept (call 10, call 11): the lookup's first table word loaded into a register once instead of
 the immediate ptxas re-materializes before every lookup (1,095 -> 1,042 instructions per tile, yet B=16 S=32k
 0.1710 -> 0.1758 ms), the tile's rows in metadata-pair order (1,083 instructions, 0.1702 -> 0.1722), 4 stages
