@@ -253,7 +253,7 @@ def test_pool_is_exact_after_prefill_and_grows_geometrically():
         if layer.pool is not pool:
             reallocations, pool = reallocations + 1, layer.pool
         slack = layer.capacity - math.ceil(layer.length / 16)
-        assert slack <= max(min_growth_blocks(16), layer.capacity // GROWTH_DIVISOR)
+        assert slack <= max(min_growth_blocks(layer.layout.block_size), layer.capacity // GROWTH_DIVISOR)
     assert 2 <= reallocations <= 8
 
 

@@ -337,13 +337,17 @@ class TurboQuantLayer(CacheLayerMixin):
                     f"but max_cache_tokens={self.max_cache_tokens} allows {limit * self.layout.block_size} per row; "
                     "raise max_cache_tokens or shorten the generation"
                 )
-        grown = needed if self.pool is None else max(needed, self.capacity + max(min_growth_blocks(self.layout.block_size), self.capacity // GROWTH_DIVISOR))
+        grown = needed if self.pool is None else max(needed, self.capacity + self._growth(self.capacity))
         grown = grown if limit is None else min(grown, limit)
         pool = self.layout.allocate(grown * self.rows, self.device)
         if self.pool is not None:
             pool[: self.pool.shape[0]].copy_(self.pool)
         self.pool, self.capacity = pool, grown
         self._rebuild_tables()
+
+    def _growth(self, blocks: int) -> int:
+        """Blocks per row a pool of `blocks` per row grows by: 1/GROWTH_DIVISOR of it, >= MIN_GROWTH_TOKENS."""
+        return max(min_growth_blocks(self.layout.block_size), blocks // GROWTH_DIVISOR)
 
     def _rebuild_tables(self) -> None:
         """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
@@ -376,7 +380,7 @@ class TurboQuantLayer(CacheLayerMixin):
         old = self.pool.view(self.capacity, self.rows, *plane)
         # the new pool holds what is used plus the usual growth slack, not the old capacity: a pool
         # kept from a long earlier request must not be multiplied by the new row count
-        capacity = min(self.capacity, used + max(min_growth_blocks(self.layout.block_size), used // GROWTH_DIVISOR))
+        capacity = min(self.capacity, used + self._growth(used))
         pool = self.layout.allocate(capacity * new_rows, self.device)
         torch.index_select(old[:used], 1, indices, out=pool.view(capacity, new_rows, *plane)[:used])
         self.pool = pool
