@@ -1529,8 +1529,11 @@ def _make_plan(query, pool, layout, block_table, seq_lens, kv_start, sinks, out,
         waves = 4 if cfg.key_bits == 8 else 3
         if words and num_warps == 2:
             waves *= 2
+        # also once every SM has a program: one per SM leaves the other slots idle (H200, S=32k, one split -> the
+        # split count this gives: k8v4 B=24 0.5772 -> 0.3665 ms, B=32 0.5891 -> 0.4388, k3v4 B=24 0.8683 -> 0.6084,
+        # k8v4 with its levers B=32 0.6550 -> 0.4606; B=64 within 1.5%: gpu_checks/session19, call 8)
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
-        num_splits = 1 if programs >= sms or m_tiles > 1 else 1 << (want.bit_length() - 1)
+        num_splits = 1 if m_tiles > 1 else 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split = num_splits > 1
