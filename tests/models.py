@@ -14,7 +14,7 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 import tq_hf  # noqa: E402,F401  (registers "turboquant")
 from tq_hf import reference  # noqa: E402
-from tq_hf.cache import sliding_windows  # noqa: E402
+from tq_hf.cache import exact_sliding_windows  # noqa: E402
 from tq_hf.config import TurboQuantConfig  # noqa: E402
 from tq_hf.layout import value_planes  # noqa: E402
 
@@ -200,8 +200,8 @@ class FakeQuantCache(DynamicCache):
         n = model_config.num_hidden_layers
         dense = cfg.full_precision_layer_set(n)
         super().__init__()
-        if cfg.sliding_layers == "exact":  # sliding-window layers stay exact: full history, the mask windows it
-            dense = dense | set(sliding_windows(model_config.get_text_config(decoder=True), n))
+        # sliding-window layers kept exact: full history, the mask windows it
+        dense = dense | set(exact_sliding_windows(model_config.get_text_config(decoder=True), n, cfg.sliding_layers))
         self.layers = [DynamicLayer() if i in dense else FakeQuantLayer(cfg, self) for i in range(n)]
         self.layer_class_to_replicate = None
         self.kv_start = None if padding_mask is None else (padding_mask == 0).int().cumprod(-1).sum(-1)

@@ -14,7 +14,7 @@ from models import PLAIN_LEVERS, assert_close, fake_quantize
 from transformers import DynamicCache, LlamaConfig, Llama4TextConfig
 
 from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
-from tq_hf.cache import GROWTH_DIVISOR, TurboQuantLayer, min_growth_blocks
+from tq_hf.cache import GROWTH_DIVISOR, POSITIVE_CROP_RAISES, TurboQuantLayer, min_growth_blocks
 from tq_hf.layout import BlockLayout
 
 HEADS, DIM = 3, 64
@@ -197,13 +197,54 @@ def test_crop_then_continue():
     cache.crop(-4)  # what assisted decoding does after rejecting candidates
     expected.k, expected.v = expected.k[:, :, :-4], expected.v[:, :, :-4]
     expected.check(cache.layers[0], "after crop(-4)")
-    cache.crop(20)  # transformers < 5.18: a positive value is the length to keep
+    if POSITIVE_CROP_RAISES:  # as DynamicCache on this transformers
+        with pytest.raises(ValueError, match="positive value"):
+            cache.crop(20)
+        assert cache.get_seq_length() == 31
+        cache.crop(-11)
+    else:
+        cache.crop(20)  # transformers < 5.18: a positive value is the length to keep
     expected.k, expected.v = expected.k[:, :, :20], expected.v[:, :, :20]
     k, v = kv(4, 5)
     cache.update(k, v, 0)
     expected.add(k, v)
     expected.check(cache.layers[0], "after crop(20) + 5 tokens")
     assert cache.layers[0].seq_lens.tolist() == [25] * 4
+
+
+def test_keys_and_values_read_like_a_dynamic_layer():
+    """layers[i].keys / .values: what attention sees, [rows, KV heads, length, head_dim] in the model's dtype."""
+    cache = new_cache(layers=1, recent_window=4, exact_prefix_tokens=2)
+    layer = cache.layers[0]
+    assert layer.keys is None and layer.values is None
+    k, v = kv(3, 21)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    cache.update(k, v, 0)
+    keys, values = layer.keys, layer.values
+    assert keys.shape == values.shape == k.shape and keys.dtype == values.dtype == torch.bfloat16
+    want_k, want_v = layer.dequantized(torch.float32)
+    assert torch.equal(keys, want_k.to(torch.bfloat16)) and torch.equal(values, want_v.to(torch.bfloat16))
+    assert torch.equal(keys[:, :, -4:], k[:, :, -4:])  # the exact ring
+    assert not torch.equal(keys[:, :, 5:10], k[:, :, 5:10])  # the compressed middle
+    with pytest.raises(AttributeError, match="read-only"):
+        layer.keys = k
+
+
+def test_crop_follows_dynamic_cache():
+    """Same lengths as a DynamicCache after the same crops, a refused positive count included."""
+    cache, dense = new_cache(layers=1), DynamicCache()
+    k, v = kv(4, 30)
+    cache.update(k, v, 0)
+    dense.update(k, v, 0)
+    for n in (-5, 0, 12, 40, -100):
+        outcomes = []
+        for c in (cache, dense):
+            try:
+                c.crop(n)
+                outcomes.append(c.get_seq_length())
+            except ValueError as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1], (n, outcomes)
 
 
 def test_crop_by_a_tensor_keeps_host_lengths():

