@@ -129,3 +129,14 @@ def test_cache_kwarg_helper_matches_this_transformers():
     model = tiny_model("llama")
     ids = torch.tensor([[5, 6, 7]])
     model(input_ids=ids, **with_cache(DynamicCache()))
+
+
+def test_assisted_decoding_gives_the_assistant_a_croppable_cache(built):
+    """generate() crops the assistant's cache after rejected candidates; its exact sliding layers
+    must record their past for that, as transformers arranges for the caches it builds."""
+    model, assistant = tiny_model("gemma3"), tiny_model("gemma3", seed=1)
+    ids, _, _ = left_padded_batch([20], seed=7)  # 3x past the sliding window
+    tokens, _ = generate(model, ids, None, max_new_tokens=12, assistant_model=assistant)
+    assert len(built) == 2 and all(isinstance(c, TurboQuantCache) for c in built)
+    expected, _ = generate(model, ids, None, TurboQuantCache(model.config), max_new_tokens=12)
+    assert torch.equal(tokens, expected)  # greedy assisted decoding keeps the target model's tokens

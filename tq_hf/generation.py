@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
@@ -80,8 +80,14 @@ def _prepare_cache(original):
         plain.cache_implementation = None
         result = original(self, plain, model_kwargs, *args, **kwargs)
         for key in CACHE_KEYS:
-            if isinstance(model_kwargs.get(key), Cache):
-                model_kwargs[key] = cache_from_options(self.config, generation_config.cache_config)
+            built = model_kwargs.get(key)
+            if type(built) is DynamicCache:
+                model_kwargs[key] = cache = cache_from_options(self.config, generation_config.cache_config)
+                if getattr(generation_config, "is_assistant", False):  # generate() crops an assistant's cache
+                    cache.activate_past_recording()
+            elif isinstance(built, Cache) and generation_config.cache_implementation == CACHE_IMPLEMENTATION:
+                raise ValueError(f"cache_implementation='{CACHE_IMPLEMENTATION}' supports decoder-only models; "
+                                 f"{type(self).__name__} takes a {type(built).__name__}")
         return result
 
     prepare._turboquant = True
