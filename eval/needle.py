@@ -287,10 +287,10 @@ def write_outputs(out: Path, report: dict) -> None:
                   ["cache", *[f"{n} tok" for n in lengths]],
                   [[r["preset"], *[f"{r['accuracy_by_length'][n]:.2f} / {_fmt(r['parity_vs_fp16_by_length'][n])}"
                                    for n in lengths]] for r in rows]))
-    head = (f"# Needle in a haystack\n\n- model: {report['model']}\n- text: {report['text']}\n"
-            f"- grid: lengths {g['lengths']} x depths {g['depths']} x needles {needles}, {g['trials']} trial(s) "
-            f"each; {len(report['records'])} prompts per cache\n- method: {report['method']}\n"
-            f"- command: `{report['meta']['command']}`\n")
+    head = common.md_header(
+        "Needle in a haystack", report["meta"]["command"], f"model: {report['model']}", f"text: {report['text']}",
+        f"grid: lengths {g['lengths']} x depths {g['depths']} x needles {needles}, {g['trials']} trial(s) each; "
+        f"{len(report['records'])} prompts per cache", f"method: {report['method']}")
     common.write_table_md(out / "table.md", head, table, report["skipped"])
     for r in rows:
         accuracy_heatmap(out / f"needle_{r['preset']}.png", r["grid"], g["lengths"], g["depths"],
