@@ -162,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
         model's, which the invariant checks the cache holds to float32 rounding. GPU: the cache's own
         history. The store kernel's rotation sums in another order than the reference's, so a coordinate
         within rounding of a decision boundary can take the neighbouring code (tests/kernels/test_kernel_store.py
-        counts such flips; session 5's one GPU failure here was one, a single key); checked here instead:
+        counts such flips; one such flip of a single key once failed this test on a GPU); checked here instead:
         every real token's K and V are as close to the exact ones as the model's quantization, within 2%
         (a code away from its boundary is not)."""
         want_k, want_v = self.model.kv(i)
