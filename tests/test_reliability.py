@@ -459,6 +459,7 @@ def test_soak_script_runs_tiny_and_memory_stays_bounded(tmp_path):
                         "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["allocated_bytes"] == report["allocated_bytes"] and saved["meta"]["command"].startswith("python -m")
+    assert out.with_suffix(".md").read_text().splitlines()[2] == f"Command: `{saved['meta']['command']}`"
     assert set(saved["op_counts"]) == set(soak.OPS), saved["op_counts"]  # every kind of operation ran
     a = saved["allocated_bytes"]
     assert a["start"] == 0 and 0 < a["end"] <= a["peak"]
