@@ -5,30 +5,18 @@ L2 flushed, medians). tiles: KV tile length x warps over the same pool, each out
 against the launcher's defaults (max |diff|: only the summation order differs). levers: the
 plain 4-bit format, then key centering + value rotation, the 4 exact leading tokens and the
 128-token exact ring (the "4bit" preset's defaults), alone and together: what each costs.
-eval/results/decode_variants/ also holds the run of commit 6e78b82, whose kernel could look up
-4-bit centroids with PTX byte permutes (prmt) instead of tl.gather: 1.3% faster at B=16, S=32k,
-so the lookup is not what limits decode; that path was removed again.
-decode_tokens/ holds the run of commit 8391197, whose walk could put the tile's tokens on the MMA's M side in
-one-warp programs (tuning tokens_on_m): no faster at B=16 S=32k, slower at B=1 and with the levers; removed again.
 splits: the split count of the split-KV decode with 128/256-token tiles (short walks at small B).
-warps, warps2 (eval/results/decode_variants/warps_session8/): 1, 2, 4 or 8 warps per program x KV tile x
-the launcher's split count scaled 1-4x; narrow: the mid-batch rule this gave (2-warp programs on 128-token
-tiles, twice the splits) against the rule before it, on the plain format and with all levers.
-Measured and not merged (session 8, results under eval/results/decode_variants/): prefetch_session8/, each
-program's first blocks asked into L2 (sm_90 bulk prefetch) before its prologue (branch exp/l2-prefetch);
-prerotate_pdl_session8/, the split decode's query rotated once per (KV head, sequence) by a kernel of its
-own and/or programmatic dependent launch of the attention and the reduction (branch exp/prerotate-pdl);
-rotation_stages_session8/, the prologue's rotation loop with 32/64/128 coordinates per step and 1-5
-pipeline stages (tuning knobs not kept). Each was slower or within 1% of the launcher's defaults.
-lookups (eval/results/decode_lookups/): the unary prmt lookup that Triton decodes in the MMA's
-operand layout (key_lut.py) against the gather, with KV tile lengths and register caps, for the
-plain format and all levers; each output checked against the gather's.
+warps, warps2: 1, 2, 4 or 8 warps per program x KV tile x the launcher's split count scaled 1-4x; narrow: the
+mid-batch rule (2-warp programs on 128-token tiles, twice the splits) against the rule before it, on the plain
+format and with all levers. lookups: the 4-bit key lookup's variants (KV tile lengths, register caps), each
+output checked against the launcher's defaults. --variants takes any set of tuning dicts, alternated --rounds
+times on one pool (how a kernel change is A/B-timed). Writes OUT/results.json and OUT/table.md.
 
     python -m eval.bench_decode_variants --out eval/results/decode_variants
-    python -m eval.bench_decode_variants --sweep levers --out eval/results/decode_levers
+    python -m eval.bench_decode_variants --sweep levers
     python -m eval.bench_decode_variants --sweep warps2 --points 1x32768,2x32768,4x32768,8x32768 --presets 4bit,k8v4
     python -m eval.bench_decode_variants --sweep narrow --points 2x32768,4x32768,8x32768
-    python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768 --out eval/results/decode_lookups
+    python -m eval.bench_decode_variants --sweep lookups --points 16x32768,1x32768,4x32768
     python -m eval.bench_decode_variants --presets 4bit,k8v4 --rounds 2 --variants "{'default': {}, 'no bt': {'bt_next': False}}"
 """
 
@@ -44,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, exact_buffers, make_config, time_ms
-from eval.common import markdown_table, run_metadata
+from eval.common import markdown_table, md_header, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
     "launcher defaults": {},
@@ -254,14 +242,16 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps({"meta": run_metadata("eval.bench_decode_variants", argv),
-                                                      "shape": args.shape, "rows": rows}, indent=1))
+    meta = run_metadata("eval.bench_decode_variants", argv)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "shape": args.shape, "rows": rows}, indent=1))
     table_rows = [[r["B"], r["S"], r["preset"], r["variant"],
                    f"{r['ms']:.4f}" if "ms" in r else r["error"][:60],
                    f"{r['ratio_vs_fp16']:.2f}" if "ms" in r else "", f"{r['GBps']:.0f}" if "ms" in r else "",
                    f"{r['max_abs_diff_vs_first']:.1e}" if "ms" in r else ""] for r in rows]
     text = markdown_table(["B", "S", "preset", "variant", "ms", "x fp16", "GB/s", "max|diff|"], table_rows)
-    (out_dir / "table.md").write_text(f"Hq/Hk/D {args.shape}\n\n{text}")
+    head = md_header("Decode kernel variants", meta["command"], f"GPU: {meta['machine']['cuda_device']}",
+                     f"Hq/Hk/D {args.shape}; ms are medians of CUDA-graph replays, L2 flushed")
+    (out_dir / "table.md").write_text(f"{head}\n{text}")
     print(text)
 
 

@@ -8,8 +8,11 @@ Times are medians of CUDA-graph replays (decode) or eager calls (prefill) with t
 flushed before each; GB/s counts the compressed cache bytes the kernel must read.
 
     python -m eval.bench_kernels [--quick] [--out-dir eval/results]
-    python -m eval.bench_kernels --batches 16 --lengths 32768 --presets 4bit k8v4 k3v4 3bit 4bit+defaults \
-        --prefill-lengths 8192 16384 --store-sweep --tag kernels_bench_round2   # a targeted subset
+    python -m eval.bench_kernels --batches 1 16 --lengths 32768 --presets 4bit+defaults k8v4+defaults \
+        k3v4+defaults 3bit+defaults --skip prefill store tune --tag kernels_bench_defaults   # a targeted subset
+
+Writes OUT_DIR/TAG.json and TAG.md (the command at the top) and, when a preset was timed at two or more cache
+lengths or batch sizes, TAG.png: decode time as a ratio to fp16 SDPA over that axis.
 """
 
 from __future__ import annotations
@@ -303,7 +306,7 @@ def bench_tune(args, flush, results):
 
 
 def _block_label(results) -> str:
-    size = results.get("block_size", 16)  # runs before session 19 used 16 everywhere
+    size = results.get("block_size", 16)  # results without the field were measured over 16-token blocks
     return f"{size} tokens" if size else "the layout's default size (64 tokens at head_dim 128, 16 at 64)"
 
 
@@ -316,7 +319,8 @@ def markdown(results) -> str:
     lines.append("| B | S | Hq/Hk/D | fp16 SDPA ms | " + " | ".join(presets) + " |")
     lines.append("|---|---|---|---|" + "---|" * len(presets))
     for r in results["decode"]:
-        cells = [f"{r[p]['ms']:.4f} (x{r[p]['ratio_vs_fp16']:.2f}, {r[p]['GBps']:.0f} GB/s)" for p in presets]
+        cells = [f"{r[p]['ms']:.4f} (x{r[p]['ratio_vs_fp16']:.2f}, {r[p]['GBps']:.0f} GB/s)" if p in r else "-"
+                 for p in presets]
         lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']}/{r['D']} | {r['sdpa_fp16_ms']:.4f} | " + " | ".join(cells) + " |")
     lines += ["", "## Causal prefill incl. store (B=1, 32/8/128)", "",
               "exact mode (the cache's default): fp16 SDPA over the prompt's own K/V + store_kv; "
@@ -338,6 +342,27 @@ def markdown(results) -> str:
     if results["skipped"]:
         lines += ["", "Skipped: " + "; ".join(results["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def decode_plot(path: Path, results) -> bool:
+    """Decode time / fp16 SDPA per preset and shape over the cache length (or, with one length, the batch size).
+
+    Returns False (and writes nothing) when no series has two points: a single point is no curve."""
+    rows = results["decode"]
+    by_length = len({r["S"] for r in rows}) > 1
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        for preset, cell in r.items():
+            if isinstance(cell, dict):
+                label = f"{preset} {r['Hq']}/{r['Hk']}/{r['D']}" + (f" B={r['B']}" if by_length else f" S={r['S']}")
+                series.setdefault(label, []).append((r["S"] if by_length else r["B"], cell["ratio_vs_fp16"]))
+    if max(map(len, series.values()), default=0) < 2:
+        return False
+    from .plots import lines_vs_context
+
+    lines_vs_context(path, series, "decode time / fp16 SDPA", f"Decode attention over the compressed cache, {results['gpu']}",
+                     xlabel="cache length (tokens)" if by_length else "batch size")
+    return True
 
 
 def main(argv=None) -> None:
@@ -386,6 +411,7 @@ def main(argv=None) -> None:
     (out / f"{tag}.json").write_text(json.dumps(results, indent=1))
     md = markdown(results)
     (out / f"{tag}.md").write_text(md)
+    decode_plot(out / f"{tag}.png", results)
     print(md)
 
 

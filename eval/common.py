@@ -425,6 +425,11 @@ def start_run(module: str, argv: list[str] | None, threads: int | None) -> dict:
     return run_metadata(module, argv)
 
 
+def md_header(title: str, command: str, *facts: str) -> str:
+    """The top of every results markdown: a title, the command that regenerates the file, then one bullet per fact."""
+    return f"# {title}\n\nCommand: `{command}`\n\n" + "".join(f"- {fact}\n" for fact in facts)
+
+
 def write_table_md(path: Path, head: str, table: str, skipped: dict, label: str = "skipped") -> None:
     """table.md of a results folder: the header lines, what was skipped and why, then the table."""
     if skipped:

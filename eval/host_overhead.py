@@ -1,17 +1,16 @@
 """Host time of one decode layer step on the kernel path, measurable without a GPU.
 
-At B=1 a decode step is bound by the host (eval/results/gpu_checks/session16: the attention kernel takes ~0.03 ms
-on an H200, the cache's update and the "turboquant" attention ~0.4 ms of host time per layer under cProfile).
+At B=1 a decode step is bound by the host (on an H200 the attention kernel takes ~0.03 ms, the cache's update and
+the "turboquant" attention ~0.4 ms of host time per layer under cProfile).
 This times what our Python and the step's tensor ops cost: `TurboQuantCache.update` (store) plus
 `turboquant_attention_forward` (attention + split reduction) for one layer, with every Triton launch stubbed and
-the tensors on the CPU. It is not a GPU figure (there each tensor op and launch also pays the driver; for that,
-`eval/results/gpu_checks/session16/host_profile.py` profiles generate() on the device) but it moves with the
-host-side code, so host-side changes can be compared here, side by side in one run.
+the tensors on the CPU. It is not a GPU figure (there each tensor op and launch also pays the driver; profile
+generate() on the device for that) but it moves with the host-side code, so host-side changes can be compared here, side by side in one run.
 
     python -m eval.host_overhead --presets 4bit,k8v4 --batch 1 --steps 2000 --out eval/results/host_overhead
 
-Prints a table (us per layer step, median of --rounds) and writes OUT/results.json; --profile prints the top
-functions of one more round.
+Prints a table (us per layer step, median of --rounds) and writes OUT/results.json and OUT/table.md; --profile
+prints the top functions of one more round.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .common import markdown_table, run_metadata, write_json
+from .common import markdown_table, md_header, run_metadata, write_json
 
 
 @contextlib.contextmanager
@@ -106,15 +105,21 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(threads)
     report = {"meta": run_metadata("eval.host_overhead", argv), "rows": rows}
-    out = Path(args.out)
+    print(write_outputs(Path(args.out), report))
+    return report
+
+
+def write_outputs(out: Path, report: dict) -> str:
+    """OUT/results.json and OUT/table.md (the command at its top); returns the table."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", report)
     table = markdown_table(["preset", "B", "context", "us per layer step (median)", "rounds"],
                            [[r["preset"], r["batch"], r["context"], f"{r['us_per_layer_step']:.1f}",
-                             " / ".join(f"{x:.1f}" for x in r["rounds_us"])] for r in rows])
-    (out / "table.md").write_text(table + "\n")
-    print(table)
-    return report
+                             " / ".join(f"{x:.1f}" for x in r["rounds_us"])] for r in report["rows"]])
+    head = md_header("Host time of one decode layer step (Triton launches stubbed, CPU tensors)",
+                     report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread")
+    (out / "table.md").write_text(head + "\n" + table + "\n")
+    return table
 
 
 def _measure(args) -> list[dict]:

@@ -22,7 +22,8 @@ control, so a divergence that the plain cache shows too is not the compressed ca
 
 The model defaults to a random-init Llama with Llama-3.1-8B shapes and 8 layers (32/8/128, fp16),
 saved once as a checkpoint in a temporary folder so that every loader reads the same weights.
-Results: a table on stdout and JSON under --out. Exit status 1 when a check fails.
+Results: a table on stdout, and MODE.json / MODE.md under --out (MODE: device_map or tp). Exit status 1 when
+a check fails.
 
 Machines that share GPUs keep NVLink multicast off: NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 are set here unless already set.
@@ -45,7 +46,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from eval.common import markdown_table, parse_random_spec, random_llama, run_metadata, write_json  # noqa: E402
+from eval.common import markdown_table, md_header, parse_random_spec, random_llama, run_metadata, write_json  # noqa: E402
 
 DEFAULT_MODEL = "random:llama-3.1-8b,layers=8"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -416,6 +417,17 @@ def table(report: dict) -> str:
             f"{', '.join(report['compressed_layers_on']) or 'none'}; TurboQuant KV per device: {per_device}\n")
 
 
+def write_markdown(path: Path, report: dict) -> None:
+    """The run's table under its command, model and verdict."""
+    mode = "tp_plan=\"auto\"" if report["mode"] == "tp" else "device_map=\"auto\""
+    head = md_header(f"TurboQuantCache under {mode}", report["meta"]["command"],
+                     f"devices: {report['meta']['machine']['cuda_device'] or 'CPU'}; model {report['model']} "
+                     f"({report['dtype']}), preset {report['preset']}, batch {report['batch']}, "
+                     f"{report['prompt_len']} prompt tokens, {report['new_tokens']} new tokens",
+                     f"verdict: {'PASS' if report['ok'] else 'FAIL'}")
+    path.write_text(head + "\n" + table(report), encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dtype = DTYPES[args.dtype]
@@ -437,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     print("PASS" if report["ok"] else "FAIL")
     write_json(Path(args.out) / f"{report['mode']}.json", report)
+    write_markdown(Path(args.out) / f"{report['mode']}.md", report)
     return 0 if report["ok"] else 1
 
 

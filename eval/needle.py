@@ -21,7 +21,7 @@ turn, giving the needle its own paragraph and asking about "the text above" foun
 6/6 at 2k but 1/3 at 4k; saying the key three times found 3/3 at 4k and 1/3 at 8184 tokens
 (only depth 0.9: the needle ~800 tokens back). Beyond ~4k tokens of distance this model does
 not retrieve (a banner line, the task stated before the haystack too, or an answer start that
-repeats the banner did not help at 8k either); eval/results/needle_smollm2 has fp16 at 12/12 for
+repeats the banner did not help at 8k either); eval/results/needle_k8v4 has fp16 at 12/12 for
 1k, 2k and 4k tokens and 2/12 at 8184.
 
 What reads the cache: the context (system turn + user turn up to the end of the haystack) is
@@ -287,10 +287,10 @@ def write_outputs(out: Path, report: dict) -> None:
                   ["cache", *[f"{n} tok" for n in lengths]],
                   [[r["preset"], *[f"{r['accuracy_by_length'][n]:.2f} / {_fmt(r['parity_vs_fp16_by_length'][n])}"
                                    for n in lengths]] for r in rows]))
-    head = (f"# Needle in a haystack\n\n- model: {report['model']}\n- text: {report['text']}\n"
-            f"- grid: lengths {g['lengths']} x depths {g['depths']} x needles {needles}, {g['trials']} trial(s) "
-            f"each; {len(report['records'])} prompts per cache\n- method: {report['method']}\n"
-            f"- command: `{report['meta']['command']}`\n")
+    head = common.md_header(
+        "Needle in a haystack", report["meta"]["command"], f"model: {report['model']}", f"text: {report['text']}",
+        f"grid: lengths {g['lengths']} x depths {g['depths']} x needles {needles}, {g['trials']} trial(s) each; "
+        f"{len(report['records'])} prompts per cache", f"method: {report['method']}")
     common.write_table_md(out / "table.md", head, table, report["skipped"])
     for r in rows:
         accuracy_heatmap(out / f"needle_{r['preset']}.png", r["grid"], g["lengths"], g["depths"],

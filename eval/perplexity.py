@@ -177,11 +177,11 @@ def write_outputs(out: Path, report: dict) -> None:
         [[r["preset"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['kl']:.4g}", f"{r['top1']:.2%}",
           f"{r['kv_bytes_per_token']:.0f}", f"{r['kv_vs_fp16']:.3f}", r["description"]] for r in rows],
     )
-    head = (f"# Perplexity with the KV cache in the loop\n\n"
-            f"- model: {report['model']}\n- text: {report['text']}\n"
-            f"- tokens: {report['tokens']} ({rows[0]['tokens']} scored; {report['tokens_reading_cache']} of them "
-            f"predicted by forwards after the prefill, reading the cache)\n- method: {report['method']}\n"
-            f"- command: `{report['meta']['command']}`\n")
+    head = common.md_header(
+        "Perplexity with the KV cache in the loop", report["meta"]["command"], f"model: {report['model']}",
+        f"text: {report['text']}",
+        f"tokens: {report['tokens']} ({rows[0]['tokens']} scored; {report['tokens_reading_cache']} of them predicted "
+        "by forwards after the prefill, reading the cache)", f"method: {report['method']}")
     common.write_table_md(out / "table.md", head, table, report["skipped"])
     quality_bars(out / "perplexity.png", [r["preset"] for r in rows], [r["delta_pct"] for r in rows],
                  [r["kl"] for r in rows], f"{report['model']}\n{rows[0]['tokens']} tokens, window {report['window']}")

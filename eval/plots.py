@@ -49,15 +49,18 @@ def accuracy_heatmap(path: Path, grid: list[list[float]], lengths: list[int], de
     plt.close(fig)
 
 
-def lines_vs_context(path: Path, series: dict[str, list[tuple[int, float]]], ylabel: str, title: str) -> None:
-    """One line per series over context length (log2 x axis); series points are (context, value)."""
+def lines_vs_context(path: Path, series: dict[str, list[tuple[int, float]]], ylabel: str, title: str,
+                     xlabel: str = "context length (tokens)") -> None:
+    """One line per series over context length, or another size such as the batch (log2 x axis); points are (x, y)."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    if len(series) > 10:  # past the default cycle's 10 colors, lines would share one
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)
     for label, points in series.items():
         points = sorted(p for p in points if p[1] is not None)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -10,7 +10,7 @@ rounds) with a random-init model.
 Reports allocated bytes (CUDA: torch.cuda.memory_allocated; CPU: the cache's memory_footprint) at
 the start, the peak and the end, the peak of the first window vs the rest (flat memory: the later
 windows should not exceed the first), and ms/op per window of --window ops (no slowdown: the last
-windows vs the second). Writes JSON to --out.
+windows vs the second). Writes JSON to --out and the same figures as a markdown table beside it (.md).
 
     python -m eval.soak --device cuda --ops 10000 --model random:llama-3.1-8b,layers=4 --batch 8
     python -m eval.soak --mode generate --ops 200 --new-tokens 256 --device cuda
@@ -175,6 +175,23 @@ def summarize(times: list[float], memory: list[int], start: int, peak: int, wind
     }
 
 
+def write_markdown(path: Path, report: dict) -> None:
+    """The soak's figures as markdown: settings and operation counts, then allocated bytes and ms/op per window."""
+    st, a = report["settings"], report["allocated_bytes"]
+    counts = ", ".join(f"{k} {v:,}" for k, v in report.get("op_counts", {}).items())
+    head = common.md_header(
+        "Soak: one TurboQuantCache through many mixed operations", report["meta"]["command"],
+        f"device: {report['meta']['machine']['cuda_device'] or 'CPU'}; model {st['model']}, cache {st['preset']}, "
+        f"batch {st['batch']}, {st['dtype']}", f"operations: {counts}" if counts else f"mode: {st['mode']}",
+        f"allocated bytes: start {a['start']:,}, peak {a['peak']:,}, end {a['end']:,}; peak after the first window / "
+        f"in it {report['memory_growth_after_first_window']:.2f}",
+        f"last window's ms/op vs the second's: {report['slowdown_last_vs_second_window']:.2f}")
+    table = common.markdown_table(["window (ops)", "ms/op"], [
+        [f"{i * report['window_ops']}-{(i + 1) * report['window_ops']}", f"{ms:.2f}"]
+        for i, ms in enumerate(report["ms_per_op_windows"])])
+    path.write_text(head + "\n" + table, encoding="utf-8")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.device == "cpu":
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summarize(times, memory, start, peak, args.window), **extra,
     }
     common.write_json(Path(args.out), report)
+    write_markdown(Path(args.out).with_suffix(".md"), report)
     a = report["allocated_bytes"]
     print(f"soak {args.mode}: {len(times)} of {args.ops} ops on {args.device}; allocated start {a['start']} peak {a['peak']} "
           f"end {a['end']} bytes; later/first-window peak {report['memory_growth_after_first_window']:.3f}; "

@@ -17,8 +17,8 @@ what the cache holds at the end (TurboQuantCache.memory_footprint, or the stored
 
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
-seconds-long CPU run on random:tiny (used by the tests). Writes OUT/results.json, OUT/table.md,
-OUT/decode_ms.png and OUT/memory.png.
+seconds-long CPU run on random:tiny (used by the tests). Writes OUT/results.json, OUT/table.md and,
+when some cache was timed at two or more contexts, OUT/decode_ms.png and OUT/memory.png.
 """
 
 from __future__ import annotations
@@ -222,9 +222,9 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
           "-" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / GIB:.3f}",
           fmt(r, "cache_vs_fp16", "{:.3f}")] for r in rows],
     )
-    head = (f"# generate() speed and KV memory\n\n- model: {report['model']} ({report['dtype']})\n"
-            f"- device: {report['meta']['machine']['cuda_device'] or 'CPU'}\n- method: {report['method']}\n"
-            f"- command: `{report['meta']['command']}`\n")
+    head = common.md_header("generate() speed and KV memory", report["meta"]["command"],
+                            f"model: {report['model']} ({report['dtype']})",
+                            f"device: {report['meta']['machine']['cuda_device'] or 'CPU'}", f"method: {report['method']}")
     common.write_table_md(out / "table.md", head, table, report["skipped"], label="skipped caches")
     if not plots:
         return
@@ -236,8 +236,10 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
                 out_series.setdefault(f"{r['cache']} B={r['batch']}", []).append((r["context"], r[key] * scale))
         return out_series
 
-    lines_vs_context(out / "decode_ms.png", series("decode_ms_per_token"), "decode ms/token",
-                     f"generate() decode, {report['model']}")
+    decode = series("decode_ms_per_token")
+    if max(map(len, decode.values()), default=0) < 2:
+        return  # one context per cache: no curve to draw, the table says it all
+    lines_vs_context(out / "decode_ms.png", decode, "decode ms/token", f"generate() decode, {report['model']}")
     memory_key = "peak_kv_side_bytes" if any(r.get("peak_kv_side_bytes") for r in rows) else "cache_bytes"
     lines_vs_context(out / "memory.png", series(memory_key, 1 / GIB), memory_key.replace("_", " ") + " (GiB)",
                      f"KV memory, {report['model']}")

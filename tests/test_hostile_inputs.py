@@ -1,6 +1,6 @@
 """Hostile inputs: huge activations, NaN/inf, wrong dtype/device/shape, threads, cache-less forwards.
 
-Contract tested here (and written in the README's Limits section):
+Contract tested here (and written in the README's "Supported models and limits" section):
   * |x| up to 3e38 (float32) or 1e5 (bfloat16): values come back within one quantization step,
     keys exactly as the reference reconstructs them (scale-equivariant), attention finite.
   * NaN/inf are not checked (that would cost a host sync per step): they propagate, confined to

@@ -180,6 +180,7 @@ def test_device_map_with_disk_layers_generates_as_on_one_device(tmp_path, dtype)
     args[args.index("--dtype") + 1] = dtype
     assert multi_gpu.main(args) == 0
     report = json.loads((tmp_path / "device_map.json").read_text())
+    assert (tmp_path / "device_map.md").read_text().splitlines()[2] == f"Command: `{report['meta']['command']}`"
     assert report["device_map"]["model.layers.3"] == "disk"
     layers = report["layers"]
     assert [r["kind"] for r in layers] == ["compressed"] * 4

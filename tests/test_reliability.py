@@ -162,7 +162,7 @@ class CacheMachine(RuleBasedStateMachine):
         model's, which the invariant checks the cache holds to float32 rounding. GPU: the cache's own
         history. The store kernel's rotation sums in another order than the reference's, so a coordinate
         within rounding of a decision boundary can take the neighbouring code (tests/kernels/test_kernel_store.py
-        counts such flips; session 5's one GPU failure here was one, a single key); checked here instead:
+        counts such flips; one such flip of a single key once failed this test on a GPU); checked here instead:
         every real token's K and V are as close to the exact ones as the model's quantization, within 2%
         (a code away from its boundary is not)."""
         want_k, want_v = self.model.kv(i)
@@ -459,6 +459,7 @@ def test_soak_script_runs_tiny_and_memory_stays_bounded(tmp_path):
                         "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["allocated_bytes"] == report["allocated_bytes"] and saved["meta"]["command"].startswith("python -m")
+    assert out.with_suffix(".md").read_text().splitlines()[2] == f"Command: `{saved['meta']['command']}`"
     assert set(saved["op_counts"]) == set(soak.OPS), saved["op_counts"]  # every kind of operation ran
     a = saved["allocated_bytes"]
     assert a["start"] == 0 and 0 < a["end"] <= a["peak"]

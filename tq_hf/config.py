@@ -31,9 +31,9 @@ METADATA_FIELDS = ("key_scale", "value_scale", "value_mid")
 METADATA_FIELD_BYTES = 2
 
 # The fidelity levers' defaults (value rotation, 4 exact leading tokens, a 128-token exact ring,
-# per-row key centering for codebook keys, no full-precision layers) were chosen by measurement:
-# eval/results/fidelity/README.md and eval/results/perplexity_smollm2/key_centering/. FP8 keys
-# (k8v4) keep centering off: that preset was measured without it (+0.04% on SmolLM2).
+# per-row key centering for codebook keys, no full-precision layers) were chosen by measurement
+# (docs/performance.md, eval/results/levers/). FP8 keys (k8v4) keep centering off: that preset was
+# measured without it (+0.04% on SmolLM2).
 PRESETS: dict[str, dict[str, int | bool]] = {
     "k8v4": {"key_bits": 8, "value_bits": 4, "key_centering": False},
     "4bit": {"key_bits": 4, "value_bits": 4},

@@ -80,11 +80,9 @@ def value_planes(config: TurboQuantConfig, head_dim: int) -> bool:
 def default_block_size(head_dim: int) -> int:
     """Tokens per block where the config leaves it open (block_size=None): 64 at head_dim 128, 16 elsewhere.
 
-    H200, decode over 64- against 16-token blocks, alternated (eval/results/gpu_checks/session19, call 2): at
-    32/8/128 2-5% faster in every preset and shape measured (4bit B=16 S=32k 0.1727 -> 0.1658 ms, S=128k -5%, B=1
-    -3%; k8v4 B=1 -5%) but 3bit at B=16 (+2.4%); a load-only kernel of the one-warp decode's walk reads the same
-    bytes only ~2% faster (call 1). At 9/3/64 B=16 S=32k 4bit and k8v4 3-5% slower, so 16 stays there; other
-    head_dims are unmeasured and keep 16."""
+    On an H200 decode over 64-token blocks measured 2-5% faster than over 16 at 32/8/128 (4bit B=16 S=32k
+    0.1727 -> 0.1658 ms; 3bit at B=16 the exception, +2.4%) and 3-5% slower at 9/3/64, so 16 stays there; other
+    head_dims are unmeasured and keep 16 (docs/performance.md)."""
     return 64 if head_dim == 128 else 16
 
 

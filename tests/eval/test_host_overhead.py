@@ -31,4 +31,6 @@ def test_report(tmp_path):
     report = main(["--presets", "4bit,k8v4", "--steps", "3", "--rounds", "2", "--context", "40", "--out", str(tmp_path)])
     assert [r["preset"] for r in report["rows"]] == ["4bit", "k8v4"]
     assert all(r["us_per_layer_step"] > 0 and len(r["rounds_us"]) == 2 for r in report["rows"])
-    assert (tmp_path / "results.json").exists() and "us per layer step" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert (tmp_path / "results.json").exists() and "us per layer step" in table
+    assert table.splitlines()[2] == f"Command: `{report['meta']['command']}`"  # the command right under the title

@@ -64,6 +64,7 @@ def test_cli_end_to_end(tmp_path, tiny_text, tiny_model):
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md", "perplexity.png"}
     saved = json.loads((out / "results.json").read_text())
     assert "partial" not in saved and saved["tokens"] == 700 and saved["meta"]["command"].startswith("python -m")
+    assert (out / "table.md").read_text().splitlines()[2] == f"Command: `{saved['meta']['command']}`"
     rows = {r["preset"]: r for r in saved["results"]}
     assert list(rows) == ["fp16", "4bit-all", "naive-int4", "hadamard-int4"]
     for r in rows.values():

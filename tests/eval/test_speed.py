@@ -62,3 +62,15 @@ def test_a_killed_run_keeps_the_runs_it_finished(tmp_path, monkeypatch):
     assert saved["partial"] is True and [r["cache"] for r in saved["results"]] == ["fp16", "naive-int4"]
     assert saved["results"][1]["decode_vs_fp16"] > 0
     assert "naive-int4" in (out / "table.md").read_text()
+
+
+def test_one_context_per_cache_writes_the_table_without_plots(tmp_path):
+    """A plot needs a curve: with every cache timed at one context only the table is written."""
+    row = {"batch": 16, "context": 32768, "decode_ms_per_token": 7.4, "decode_vs_fp16": 0.46, "prefill_s": 5.8,
+           "peak_kv_side_bytes": 2**30, "cache_bytes": 2**29, "cache_vs_fp16": 0.28}
+    report = {"meta": {"command": "python -m eval.speed --points 16x32768", "machine": {"cuda_device": None}},
+              "model": "m", "dtype": "torch.float16", "method": "x", "skipped": {},
+              "results": [dict(row, cache="fp16"), dict(row, cache="4bit-all")]}
+    speed.write_outputs(tmp_path, report)
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md"}
+    assert (tmp_path / "table.md").read_text().splitlines()[2] == "Command: `python -m eval.speed --points 16x32768`"
