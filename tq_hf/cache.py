@@ -581,8 +581,9 @@ class TurboQuantCache(Cache):
         max_cache_len: optional fixed capacity in tokens per row (as StaticCache's): every layer is allocated
             for it at the first update and the cache is `is_compileable`, so generate() compiles the decode
             step by itself (on CUDA) and torch.compile(model.forward, fullgraph=True) traces one graph for
-            every step. Eager updates past it raise TurboQuantCacheFullError; a compiled step stores no token
-            past it (the lengths stop there). None (default): the pool grows with the tokens.
+            every step. Eager updates past it raise TurboQuantCacheFullError; a compiled step's compressed
+            layers store no token past it (the lengths stop there), while full-precision layers, transformers'
+            StaticLayer, index out of bounds as under a StaticCache. None (default): the pool grows with the tokens.
     """
 
     def __init__(self, config, preset: str | None = None, tq_config: TurboQuantConfig | None = None,
