@@ -19,6 +19,12 @@ as ordinary dense K/V (slow, but correct).
 Not every layer is compressed: `full_precision_layers` get a plain DynamicLayer, and with
 `sliding_layers="exact"` (default) sliding-window layers get transformers' own window-sized
 DynamicSlidingWindowLayer, so their memory stays bounded by the window as in DynamicCache.
+
+With `max_cache_len` the cache has a fixed capacity, as StaticCache (its uncompressed layers are then
+StaticLayer / StaticSlidingWindowLayer): it is `is_compileable`, so generate() compiles the decode step
+(CUDA graphs on CUDA), and under torch.compile a decode step reads its positions from the device
+lengths (`seq_lens`) and runs the kernels as the custom ops of ops.py: one graph for every step.
+Prefill stays eager, where the padding, the key-centering means and the exact prefix are settled.
 """
 
 from __future__ import annotations
@@ -642,9 +648,9 @@ class TurboQuantCache(Cache):
     @property
     def attends_compressed(self) -> bool:
         """Whether the model runs the "turboquant" attention (read now: set_attn_implementation may change it)."""
-        impl = getattr(self._text_config, "_attn_implementation", None)
+        impl = _attn_implementation(self._text_config)
         if impl is None:
-            impl = getattr(self.config, "_attn_implementation", None)
+            impl = _attn_implementation(self.config)
         return impl == ATTENTION_NAME
 
     # ---- reports --------------------------------------------------------------------------------
@@ -686,6 +692,15 @@ class TurboQuantCache(Cache):
 
     def __repr__(self) -> str:
         return self.summary()
+
+
+def _attn_implementation(config) -> str | None:
+    """config._attn_implementation, read past transformers' attribute hooks where it can be (every update reads it:
+    the hooks cost ~5 us per read at B=1)."""
+    stored = object.__getattribute__(config, "__dict__")
+    if "_attn_implementation_internal" in stored and not torch.compiler.is_compiling():
+        return stored["_attn_implementation_internal"]
+    return getattr(config, "_attn_implementation", None)
 
 
 def _rows_held(layer) -> int | None:

@@ -45,13 +45,7 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
         recent = kwargs.get("recent") or (None, None)
         torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
                               kwargs.get("start", 0), kwargs.get("seq_lens"))
-    else:
-        _store(pool, layout, key, value, slots, **kwargs)
-
-
-def _store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-           **kwargs) -> None:
-    if use_kernels(pool):
+    elif use_kernels(pool):
         from .kernels import store_kv
 
         store_kv(pool, layout, key, value, slots, **kwargs)
@@ -71,11 +65,6 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
             kwargs.get("key_offset"), kwargs.get("prefix_keys"), kwargs.get("prefix_values"),
             kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0),
         ).transpose(1, 2)
-    return _paged_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
-
-
-def _paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     if use_kernels(pool):
         from .kernels import unified_attention
 
@@ -90,7 +79,7 @@ def _store_op(pool: torch.Tensor, layout: int, key: torch.Tensor, value: torch.T
               key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None, recent_values: torch.Tensor | None,
               start: int, seq_lens: torch.Tensor | None) -> None:
     recent = None if recent_keys is None else (recent_keys, recent_values)
-    _store(pool, _LAYOUTS[layout], key, value, slots, key_offset=key_offset, recent=recent, start=start,
+    store(pool, _LAYOUTS[layout], key, value, slots, key_offset=key_offset, recent=recent, start=start,
            seq_lens=seq_lens)
 
 
@@ -108,7 +97,7 @@ def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
                         recent_values: torch.Tensor | None, recent_from: int) -> torch.Tensor:
     """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
     out = _query_major(query)
-    _paged_attention(query, pool, _LAYOUTS[layout], block_table, seq_lens, scale, out=out.transpose(1, 2),
+    paged_attention(query, pool, _LAYOUTS[layout], block_table, seq_lens, scale, out=out.transpose(1, 2),
                      kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
                      max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys,
                      prefix_values=prefix_values, recent_keys=recent_keys, recent_values=recent_values,
