@@ -124,13 +124,23 @@ def test_compiled_steps_keep_the_cache_state_readable(dynamo):
     assert cache.get_seq_length() == ids.shape[1] + 3
 
 
-def test_compiled_prefill_is_refused_with_a_clear_error():
+def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
+    """A prefill inside the compiled region (as generate()'s chunked prefill on transformers >= 5.24) takes a graph
+    break for each layer's first update (host logic: padding, means, prefix bound), then decodes as usual."""
     model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([5, 9], seed=10)
+    cfg = tq_config()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6,
+                     prefill_chunk_size=4)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24),
+                            max_new_tokens=6, prefill_chunk_size=4, compile_config=compile_config(fullgraph=False))
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what="chunked prefill logits")
     torch._dynamo.reset()
-    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=32)
-    with pytest.raises(Exception, match="outside torch.compile"), torch.no_grad():
+    with pytest.raises(Exception, match="_untraced_update|disable"), torch.no_grad():
+        cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24)
         torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=prompts(), **with_cache(cache))
-    torch._dynamo.reset()
 
 
 # ---- the fixed capacity in eager mode ---------------------------------------------------------------

@@ -113,6 +113,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.seq_lens.zero_()
         self._length = 0  # tokens per row, pads included (HF's cache length); read through `length`
         self._length_on_device = False  # compiled steps advanced seq_lens only: `length` reads it back once
+        self._starting = True  # no update since the last reset (a host flag a compiled step can read: no length)
         self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
         self.key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means, from the first update
@@ -164,7 +165,10 @@ class TurboQuantLayer(CacheLayerMixin):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress and store the new tokens; see the module docstring for what is returned."""
         if self.max_cache_len is not None and torch.compiler.is_compiling():
+            if self._starting or (self.layout.config.key_centering and self.key_offset is None):
+                return _untraced_update(self, key_states, value_states, dense)
             return self._traced_update(key_states, value_states, dense)
+        self._starting = False
         self._check_inputs(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -222,9 +226,6 @@ class TurboQuantLayer(CacheLayerMixin):
         The new tokens' positions start at seq_lens (every row's length); a token past max_cache_len is not stored
         and the lengths stop at max_cache_len (eager updates raise TurboQuantCacheFullError instead).
         """
-        if self.pool is None or (self.layout.config.key_centering and self.key_offset is None):
-            raise RuntimeError("a fixed-capacity TurboQuantCache must take its first (prefill) update outside "
-                               "torch.compile, as generate() does; run the prompt through the uncompiled model first")
         rows, _, new, _ = key_states.shape
         t, limit = self.layout.block_size, self.max_cache_len
         pos = self.seq_lens[:1].long() + torch.arange(new, device=self.device)  # [new]
@@ -233,11 +234,12 @@ class TurboQuantLayer(CacheLayerMixin):
         slots = torch.where(kept[None, :], slots, -1).flatten()
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                   key_offset=self.key_offset)
-        if self.recent_keys is not None:  # ring slot position % W, kept slots only
-            ring = pos % self.recent_keys.shape[2]
+        if self.recent_keys is not None:  # the last min(new, W) tokens into ring slot position % W, kept slots only
+            w = self.recent_keys.shape[2]
+            ring, keep = pos[-w:] % w, kept[-w:, None]
             for buf, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
                 old = buf.index_select(2, ring)
-                buf.index_copy_(2, ring, torch.where(kept[None, None, :, None], x.to(buf.dtype), old))
+                buf.index_copy_(2, ring, torch.where(keep, x[:, :, -w:].to(buf.dtype), old))
         if self._prefix_open:
             self._copy_prefix(key_states, value_states, pos[0])
         self.seq_lens.add_(kept.sum().to(self.seq_lens.dtype))
@@ -327,6 +329,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self.length = new_length
             self.seq_lens.fill_(new_length)
             self._prefix_open = self.prefix_keys is not None and new_length < self.prefix_fill_until
+            self._starting = new_length == 0
             if self.kv_start is not None:  # cropped into a row's left padding: what follows is real
                 self.kv_start = self.kv_start.clamp_max(new_length)
 
@@ -538,6 +541,15 @@ class TurboQuantLayer(CacheLayerMixin):
             self._rebuild_tables()
 
 
+@torch.compiler.disable
+def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                     dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first update of a fixed-capacity layer inside a compiled region (a compiled prefill, as generate()'s
+    chunked prefill): eager, behind a graph break, as the padding, the key-centering means and the exact prefix
+    bound need host logic. A decode step never comes here."""
+    return layer.update(key_states, value_states, dense=dense)
+
+
 def _static(t: torch.Tensor, static: bool = True) -> torch.Tensor:
     """Mark a fixed-capacity layer's persistent buffer as having a static address (as StaticLayer does), so CUDA
     graphs of a compiled step read and write it in place; `t` is returned."""
@@ -697,9 +709,10 @@ class TurboQuantCache(Cache):
 def _attn_implementation(config) -> str | None:
     """config._attn_implementation, read past transformers' attribute hooks where it can be (every update reads it:
     the hooks cost ~5 us per read at B=1)."""
-    stored = object.__getattribute__(config, "__dict__")
-    if "_attn_implementation_internal" in stored and not torch.compiler.is_compiling():
-        return stored["_attn_implementation_internal"]
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace object.__getattribute__)
+        stored = object.__getattribute__(config, "__dict__")
+        if "_attn_implementation_internal" in stored:
+            return stored["_attn_implementation_internal"]
     return getattr(config, "_attn_implementation", None)
 
 
