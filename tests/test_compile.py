@@ -301,14 +301,57 @@ def test_custom_ops_pass_opcheck():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
 def test_gpu_reduce_overhead_captures_the_decode_step(preset, dynamo):
-    """mode="reduce-overhead": inductor + CUDA graphs over the Triton kernels; same tokens as the eager kernels."""
+    """mode="reduce-overhead": inductor + CUDA graphs over the Triton kernels; same tokens as the eager kernels over
+    the same fixed capacity (the same launch plans), logits close to the growing cache's."""
     model = tiny_model("llama", dtype=torch.float16, device="cuda")
     cfg = tq_config(preset=preset)
     ids = prompts().cuda()
-    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    growing = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64), model.forward, ids)
+    assert_close(eager[1], growing[1], atol=2e-2, rtol=2e-2, what=f"{preset} fixed vs growing fp16 logits")
     compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64),
                            torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), ids)
     assert_one_graph(dynamo)
     assert dynamo["inductor"].get("cudagraph_skips", 0) == 0, dict(dynamo["inductor"])
     assert torch.equal(compiled[0], eager[0])
     assert_close(compiled[1], eager[1], atol=2e-2, rtol=2e-2, what=f"{preset} fp16 logits")
+
+
+def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeypatch):
+    """The CUDA path's launchers, recorded on CPU (delegating to the reference): every compiled decode step hands
+    store_kv and unified_attention the same host-side arguments (start, max_seq_len, recent_from, ...), so a
+    captured CUDA graph replays launches that stay valid; positions and lengths travel as device tensors."""
+    import tq_hf.kernels
+    from tq_hf import ops, reference
+
+    calls = []
+
+    def host_args(kwargs):
+        return tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, (torch.Tensor, tuple))))
+
+    def store_kv(pool, layout, key, value, slots, **kwargs):
+        calls.append(("store", key.shape[0], host_args(kwargs)))
+        reference.store(pool, layout, key, value, slots, **kwargs)
+
+    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, **kwargs):
+        calls.append(("attention", query.shape[2], host_args(kwargs)))
+        return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
+    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
+    model = tiny_model("llama")
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config()), model.forward, ids)
+    calls.clear()
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=64),
+                           torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0])
+    per_step = 2 * 2  # a store and an attention for each of the 2 compressed layers
+    decode = calls[-(STEPS + 1) * per_step:]  # every compiled step, the tracing one included
+    first = decode[:per_step]
+    assert [(op, tokens) for op, tokens, _ in first] == [("store", 2), ("attention", 1)] * 2  # B=2 rows, 1 query
+    for i in range(1, STEPS + 1):
+        assert decode[i * per_step:(i + 1) * per_step] == first, f"step {i}: {decode[i * per_step:(i + 1) * per_step]}"
+    assert dict(first[1][2])["max_seq_len"] == 64 and dict(first[0][2])["start"] == 0
