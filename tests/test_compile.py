@@ -49,7 +49,7 @@ def decode_loop(model, cache, forward, ids, steps=STEPS + 1):
         out = forward(input_ids=token, position_ids=torch.full_like(token, pos), use_cache=True, **with_cache(cache))
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
-        logits.append(out.logits[:, -1])
+        logits.append(out.logits[:, -1].clone())  # a CUDA graph's next replay overwrites its outputs
     return torch.cat(tokens, 1), torch.stack(logits)
 
 
@@ -355,3 +355,20 @@ def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeyp
     for i in range(1, STEPS + 1):
         assert decode[i * per_step:(i + 1) * per_step] == first, f"step {i}: {decode[i * per_step:(i + 1) * per_step]}"
     assert dict(first[1][2])["max_seq_len"] == 64 and dict(first[0][2])["start"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_generate_compiles_by_itself_with_cuda_graphs():
+    """On CUDA generate() compiles (inductor, reduce-overhead) with no compile_config, as for a StaticCache."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    ids, mask, _ = left_padded_batch([7, 11], seed=11, device="cuda")
+    cfg = tq_config()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                     max_new_tokens=10, disable_compile=True)
+    compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                        max_new_tokens=10)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=2e-2, rtol=2e-2, what="fp16 generate logits")
+    torch._dynamo.reset()
