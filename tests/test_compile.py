@@ -10,6 +10,8 @@ eager fixed-capacity cache must equal the growing cache: same positions, same by
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch._dynamo
@@ -45,8 +47,12 @@ def decode_loop(model, cache, forward, ids, steps=STEPS + 1):
     out = model(input_ids=ids, use_cache=True, **with_cache(cache))
     token = out.logits[:, -1:].argmax(-1)
     tokens, logits = [token], [out.logits[:, -1]]
+    # transformers versions whose models still take cache_position derive it from the cache length unless given
+    takes_cache_position = "cache_position" in inspect.signature(model.model.forward).parameters
     for pos in range(ids.shape[1], ids.shape[1] + steps):
-        out = forward(input_ids=token, position_ids=torch.full_like(token, pos), use_cache=True, **with_cache(cache))
+        extra = {"cache_position": torch.tensor([pos], device=ids.device)} if takes_cache_position else {}
+        out = forward(input_ids=token, position_ids=torch.full_like(token, pos), use_cache=True, **with_cache(cache),
+                      **extra)
         token = out.logits[:, -1:].argmax(-1)
         tokens.append(token)
         logits.append(out.logits[:, -1].clone())  # a CUDA graph's next replay overwrites its outputs

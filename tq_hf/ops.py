@@ -7,7 +7,9 @@ Under torch.compile the same operations are the custom ops `tq_hf::store` (mutat
 the recent ring and row lengths when given) and `tq_hf::paged_attention` (returns a new tensor),
 with fake implementations, so dynamo traces a decode step as one graph and CUDA graphs capture it.
 Eager calls skip the custom-op dispatcher (tens of microseconds per call at B=1) and run the
-implementation directly. A custom op cannot take a BlockLayout: layouts are registered once and
+implementation directly. custom_op rather than triton_op: the launchers replay compiled kernels
+without Triton's per-call Python (kernels/fast_launch.py), which inductor could not trace anyway;
+opaque ops keep that and still let CUDA graphs capture the launches. A custom op cannot take a BlockLayout: layouts are registered once and
 passed by index (`layout_index`).
 """
 
