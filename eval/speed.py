@@ -2,7 +2,12 @@
 
 Caches: fp16 DynamicCache + sdpa (the reference), HF QuantizedCache int4 (quanto, hqq; when
 installed) and TurboQuantCache presets with every layer compressed ("<preset>-all"; the model is
-random-init, so keeping boundary layers exact would only measure a dense cache twice). Model:
+random-init, so keeping boundary layers exact would only measure a dense cache twice). A name ending
+in "+compile" is the compiled counterpart: "fp16+compile" a StaticCache, "<preset>-all+compile" a
+TurboQuantCache with max_cache_len, each sized for the run (S + new tokens) and reused across its runs
+(reset between them), with which generate() compiles the decode step by itself (on CUDA: inductor,
+mode="reduce-overhead", i.e. CUDA graphs; on CPU dynamo's eager backend, which only exercises the path).
+Ratios: decode vs fp16 (DynamicCache) and vs fp16+compile (StaticCache) at the same point. Model:
 a random-init Llama with Llama-3.1-8B attention and MLP shapes (32 query / 8 KV heads, head_dim
 128, hidden 4096) and few layers (--model random:llama-3.1-8b,layers=8).
 
@@ -24,6 +29,7 @@ when some cache was timed at two or more contexts, OUT/decode_ms.png and OUT/mem
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -34,11 +40,16 @@ from tqdm.auto import tqdm
 from . import common
 from .plots import lines_vs_context
 
-DEFAULT_CACHES = "fp16,quanto-int4,hqq-int4,4bit-all,k8v4-all,k3v4-all,3bit-all"
+DEFAULT_CACHES = ("fp16,fp16+compile,quanto-int4,hqq-int4,4bit-all,4bit-all+compile,k8v4-all,k8v4-all+compile,"
+                  "k3v4-all,k3v4-all+compile,3bit-all,3bit-all+compile")
+COMPILED = "+compile"  # name suffix: the compileable counterpart of a cache, decoded by generate()'s compiled forward
+STATIC_REFERENCE = common.REFERENCE + COMPILED
 # (batch, context) in run order: the headline points first, so a time budget cuts the sweep only.
 PRESET_SETS = {
     "full": dict(model="random:llama-3.1-8b,layers=8", new_tokens=32, repeats=2,
                  points=[(16, 32768), (1, 32768), (8, 8192), (1, 4096), (1, 16384), (16, 4096), (16, 16384)]),
+    "headline": dict(model="random:llama-3.1-8b,layers=8", new_tokens=32, repeats=2,
+                     points=[(1, 4096), (1, 32768), (16, 32768)]),
     "quick": dict(model="random:llama-3.1-8b,layers=4", new_tokens=16, repeats=1,
                   points=[(1, 4096), (16, 4096), (1, 16384)]),
     "tiny": dict(model="random:tiny", new_tokens=4, repeats=1, points=[(1, 32), (2, 32), (1, 64)]),
@@ -54,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="random:<shape> or an HF id/path (default: the preset set's)")
     p.add_argument("--points", help="override the (batch x context) points, e.g. 1x4096,16x32768")
     p.add_argument("--caches", default=DEFAULT_CACHES,
-                   help=f"comma-separated caches (fp16 always runs); known: {', '.join(common.cache_names())}")
+                   help=f"comma-separated caches (fp16 always runs); known: {', '.join(common.cache_names())}, and "
+                        f"fp16{COMPILED} or a TurboQuantCache name + {COMPILED!r} (compiled decode)")
     p.add_argument("--new-tokens", type=int, help="timed decode steps per run")
     p.add_argument("--warmup", type=int, default=1, help="untimed identical runs before the timed ones")
     p.add_argument("--repeats", type=int, help="timed runs; figures are the minimum")
@@ -125,11 +137,67 @@ def cache_bytes(cache) -> int:
     return sum(tensor_bytes(getattr(layer, f, None)) for layer in cache.layers for f in fields)
 
 
-def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str) -> dict:
-    """A fresh cache and one generate(); returns prefill s, decode ms/token, memory figures."""
+def compiled_spec(spec: common.CacheSpec) -> common.CacheSpec:
+    """The compileable counterpart of `spec` (fp16: StaticCache; TurboQuantCache: max_cache_len); its build takes
+    (config, capacity in tokens per row)."""
+    from transformers import StaticCache
+
+    def build(config, capacity: int):
+        if spec.family == "reference":
+            return StaticCache(config=config, max_cache_len=capacity)
+        from tq_hf import TurboQuantCache
+
+        return TurboQuantCache(config, tq_config=spec.build(config).tq_config, max_cache_len=capacity)
+
+    kind = "StaticCache" if spec.family == "reference" else "max_cache_len"
+    return dataclasses.replace(spec, name=spec.name + COMPILED, build=build,
+                               description=f"{spec.description}; {kind} + generate()'s compiled decode step")
+
+
+def resolve_caches(names: str) -> tuple[list[common.CacheSpec], dict[str, str]]:
+    """common.resolve_caches plus the "+compile" counterparts; fp16 first, the requested order kept."""
+    wanted = [n.strip() for n in common.split_top_level(names) if n.strip()]
+    wanted = [common.REFERENCE] + [n for n in dict.fromkeys(wanted) if n != common.REFERENCE]
+    bases = [n.removesuffix(COMPILED) for n in wanted]
+    for name, base in zip(wanted, bases):
+        if name.endswith(COMPILED) and not (base == common.REFERENCE or base.split("@")[0].removesuffix("-all")
+                                            in common.TURBOQUANT_PRESETS):
+            raise ValueError(f"{name!r}: only fp16 and TurboQuantCache presets have a {COMPILED} counterpart")
+    specs, skipped = common.resolve_caches(list(dict.fromkeys(bases)))
+    by_name = {spec.name: spec for spec in specs}
+    out = []
+    for name, base in zip(wanted, bases):
+        if base in skipped:
+            skipped[name] = skipped[base]
+        elif name.endswith(COMPILED):
+            out.append(compiled_spec(by_name[base]))
+        else:
+            out.append(by_name[base])
+    return out, {name: why for name, why in skipped.items() if name in wanted}
+
+
+def compile_config(device: str):
+    """None on CUDA (generate()'s default: inductor with CUDA graphs); elsewhere dynamo's eager backend, which
+    generate() only uses when told to compile on any device (the CPU run exercises the path, it is no speed-up)."""
+    if device.startswith("cuda"):
+        return None
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager", mode=None)
+    config._compile_all_devices = True
+    return config
+
+
+def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None) -> dict:
+    """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory."""
     from transformers import LogitsProcessorList
 
-    cache = spec.build(model.config)
+    if cache is None:
+        cache = spec.build(model.config)
+        extra = {}
+    else:
+        cache.reset()
+        extra = {"compile_config": compile_config(device)} if compile_config(device) is not None else {}
     clock = StepClock(device)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -139,7 +207,7 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str) -> 
     start = time.perf_counter()
     model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1, do_sample=False,
                    logits_processor=LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None,
-                   **common.with_cache(model, cache))
+                   **common.with_cache(model, cache), **extra)
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     result = {
         "prefill_s": clock.stamps[0] - start,
@@ -160,10 +228,14 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     g = torch.Generator().manual_seed(batch * 100003 + context)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     prompt = torch.randint(0, vocab, (batch, context), generator=g).to(args.device)
+    cache = None
+    if spec.name.endswith(COMPILED):  # one cache for every run (static addresses); graphs from other points dropped
+        torch._dynamo.reset()
+        cache = spec.build(model.config, context + args.new_tokens + 1)
     with torch.inference_mode():
         for _ in range(args.warmup):
-            one_run(model, spec, prompt, args.new_tokens, args.device)
-        runs = [one_run(model, spec, prompt, args.new_tokens, args.device) for _ in range(args.repeats)]
+            one_run(model, spec, prompt, args.new_tokens, args.device, cache)
+        runs = [one_run(model, spec, prompt, args.new_tokens, args.device, cache) for _ in range(args.repeats)]
     best = {k: min(r[k] for r in runs) if runs[0][k] is not None else None for k in runs[0]}
     fp16_kv = batch * (context + args.new_tokens + 1) * common.cache_spec(common.REFERENCE).bytes_per_token(model.config)
     best["cache_vs_fp16"] = best["cache_bytes"] / fp16_kv
@@ -195,14 +267,22 @@ def run_points(model, specs, args, checkpoint=None) -> list[dict]:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """decode and memory ratios vs fp16 at the same (B, S)."""
-    ref = {(r["batch"], r["context"]): r for r in rows if r["cache"] == common.REFERENCE and "skipped" not in r}
+    """decode and memory ratios vs fp16 (DynamicCache), and decode vs fp16+compile (StaticCache), at the same (B, S)."""
+    def by_point(name):
+        return {(r["batch"], r["context"]): r for r in rows if r["cache"] == name and "skipped" not in r}
+
+    ref, static = by_point(common.REFERENCE), by_point(STATIC_REFERENCE)
     for r in rows:
+        if "skipped" in r:
+            continue
         base = ref.get((r["batch"], r["context"]))
-        if base and "skipped" not in r:
+        if base:
             r["decode_vs_fp16"] = r["decode_ms_per_token"] / base["decode_ms_per_token"]
             if r["peak_kv_side_bytes"] is not None:
                 r["peak_vs_fp16"] = r["peak_kv_side_bytes"] / base["peak_kv_side_bytes"]
+        compiled = static.get((r["batch"], r["context"]))
+        if compiled:
+            r["decode_vs_fp16_compiled"] = r["decode_ms_per_token"] / compiled["decode_ms_per_token"]
 
 
 def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
@@ -214,10 +294,10 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
         return f.format(r[key]) if r.get(key) is not None else "-"
 
     table = common.markdown_table(
-        ["B", "S", "cache", "decode ms/token", "vs fp16", "prefill s", "peak KV-side GiB", "cache GiB",
-         "cache vs fp16"],
+        ["B", "S", "cache", "decode ms/token", "vs fp16", "vs fp16+compile", "prefill s", "peak KV-side GiB",
+         "cache GiB", "cache vs fp16"],
         [[r["batch"], r["context"], r["cache"], r.get("skipped") or fmt(r, "decode_ms_per_token", "{:.3f}"),
-          fmt(r, "decode_vs_fp16", "{:.2f}x"), fmt(r, "prefill_s", "{:.3f}"),
+          fmt(r, "decode_vs_fp16", "{:.2f}x"), fmt(r, "decode_vs_fp16_compiled", "{:.2f}x"), fmt(r, "prefill_s", "{:.3f}"),
           "-" if r.get("peak_kv_side_bytes") is None else f"{r['peak_kv_side_bytes'] / GIB:.2f}",
           "-" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / GIB:.3f}",
           fmt(r, "cache_vs_fp16", "{:.3f}")] for r in rows],
@@ -248,7 +328,7 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     meta = common.start_run("eval.speed", argv, args.threads)
-    specs, skipped = common.resolve_caches(args.caches)
+    specs, skipped = resolve_caches(args.caches)
     model, _, model_desc = common.load_model(args.model, dtype=args.dtype, device=args.device)
     model.generation_config.eos_token_id = None  # never stop early: every run decodes the same steps
     report = {

@@ -68,24 +68,25 @@ def turboquant_attention_forward(
         raise ValueError("attention dropout is not supported over a TurboQuantCache (the model is in training mode)")
     layer = step.layer
     _check_query(query, layer)
-    if step.refresh_padding:
+    if step.refresh_padding:  # (a decode step's update already filled the prefix with the padding it knew)
         _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
         layer.recenter(key, value, step.start)
-    layer.fill_prefix(key, value, step.start)
+        layer.fill_prefix(key, value, step.start)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
         out = _chunked_dense(query, k, v, mask, scale, sinks, softcap).to(query.dtype)
         return out.transpose(1, 2).contiguous(), None
     # written as [B, Lq, Hq, D], the layout the model's output projection reads (no transposing copy)
+    # (a fixed-capacity layer bounds the walk by its capacity: one kernel plan for every step, no length read)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    ops.paged_attention(
+    out = ops.paged_attention(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=out.transpose(1, 2),
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
-        max_seq_len=layer.length, key_offset=layer.key_offset,
+        max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
         **_exact_overlays(layer),
     )
-    return out, None
+    return out.transpose(1, 2), None
 
 
 def _check_query(query: torch.Tensor, layer) -> None:
@@ -115,6 +116,8 @@ def _exact_overlays(layer) -> dict:
 def dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window, softcap,
                             sinks, is_causal, **kwargs) -> tuple[torch.Tensor, None]:
     """HF semantics over dense K/V: sdpa when it can, eager-equivalent fp32 math for softcap/sinks."""
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[-1] > key.shape[2]:
+        attention_mask = attention_mask[..., : key.shape[2]]  # a fixed-capacity cache's mask: columns past the keys
     if softcap is None and sinks is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scale,
                                       is_causal=is_causal, **kwargs)
@@ -168,7 +171,7 @@ def _refresh_padding(step: LayerStep, attention_mask: torch.Tensor | None, rows:
     if real is None:  # mask built elsewhere (or moved across devices): columns anybody may see
         m = attention_mask if attention_mask.dtype == torch.bool else attention_mask > torch.finfo(attention_mask.dtype).min / 2
         real = _visible_columns(m.any(1).any(1), step.start, sliding_window)
-    real = real.bool().expand(rows, -1)
+    real = real.bool().expand(rows, -1)[:, : step.layer.length]  # (a fixed-capacity mask spans the capacity)
     steps = real.to(torch.int8).diff(dim=-1)
     leading_pads = (~real).int().cumprod(-1).sum(-1)
     # one host read: is the padding a prefix of every row (0...0 1...1), and the largest prefix

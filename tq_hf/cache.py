@@ -19,6 +19,12 @@ as ordinary dense K/V (slow, but correct).
 Not every layer is compressed: `full_precision_layers` get a plain DynamicLayer, and sliding-window
 layers that `sliding_layers` keeps exact (by default those with windows under 4096 tokens) get
 transformers' own window-sized DynamicSlidingWindowLayer, bounded by the window as in DynamicCache.
+
+With `max_cache_len` the cache has a fixed capacity, as StaticCache (its uncompressed layers are then
+StaticLayer / StaticSlidingWindowLayer): it is `is_compileable`, so generate() compiles the decode step
+(CUDA graphs on CUDA), and under torch.compile a decode step reads its positions from the device
+lengths (`seq_lens`) and runs the kernels as the custom ops of ops.py: one graph for every step.
+Prefill stays eager, where the padding, the key-centering means and the exact prefix are settled.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
+                                      StaticSlidingWindowLayer)
 from transformers.utils import logging
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
 from . import ops, reference
 from .config import SLIDING_COMPRESS_MIN_WINDOW, TurboQuantConfig
@@ -52,7 +59,7 @@ def min_growth_blocks(block_size: int) -> int:
 
 
 class TurboQuantCacheFullError(RuntimeError):
-    """The cache would exceed its `max_cache_tokens` bound."""
+    """The cache would exceed its `max_cache_tokens` or `max_cache_len` bound."""
 
 
 @dataclass(frozen=True)
@@ -71,37 +78,69 @@ class LayerStep:
 
 
 class TurboQuantLayer(CacheLayerMixin):
-    """One attention layer's compressed K/V: a uint8 pool [capacity * rows, H, plane_bytes]."""
+    """One attention layer's compressed K/V: a uint8 pool [capacity * rows, H, plane_bytes].
+
+    With `max_cache_len` (tokens per row) the layer has a fixed capacity, as transformers' StaticLayer:
+    the pool, block table and exact side buffers are allocated once, at the first update, and a
+    decode step traced by torch.compile takes its position from the device (`seq_lens`), so one
+    graph serves every step (is_compileable). Prefill runs eagerly (generate() does so), where the
+    host-side levers (padding, key-centering means, the exact prefix bound) are settled.
+    """
 
     is_sliding = False  # keeps the whole history; the kernel applies any window
-    is_compileable = False
     is_croppable = True
 
-    def __init__(self, layout: BlockLayout, max_cache_tokens: int | None = None):
+    def __init__(self, layout: BlockLayout, max_cache_tokens: int | None = None, max_cache_len: int | None = None):
         super().__init__()
         self.layout = layout  # num_kv_heads may shrink to a tensor-parallel shard at lazy_initialization
         self.config_kv_heads = layout.num_kv_heads
         self.max_cache_tokens = max_cache_tokens
+        self.max_cache_len = max_cache_len
+        self.is_compileable = max_cache_len is not None
+        self._drop_buffers()
         self._clear()
 
-    def _clear(self) -> None:
+    def _drop_buffers(self) -> None:
         self.pool: torch.Tensor | None = None
-        self.length = 0  # tokens per row, pads included (HF's cache length)
         self.rows = 0
         self.capacity = 0  # blocks per row
         self.block_table: torch.Tensor | None = None  # [rows, capacity] int32
         self.seq_lens: torch.Tensor | None = None  # [rows] int32, == length (persistent, filled in place)
+        self.prefix_keys: torch.Tensor | None = None  # [rows, H, P, D] exact first real tokens (exact_prefix_tokens)
+        self.prefix_values: torch.Tensor | None = None
+        self.recent_keys: torch.Tensor | None = None  # [rows, H, W, D] ring of the last W tokens (recent_window)
+        self.recent_values: torch.Tensor | None = None
+
+    def _clear(self) -> None:
+        if self.max_cache_len is None:  # a fixed-capacity layer keeps its buffers (static addresses) for the next batch
+            self._drop_buffers()
+        elif self.seq_lens is not None:
+            self.seq_lens.zero_()
+        self._length = 0  # tokens per row, pads included (HF's cache length); read through `length`
+        self._length_on_device = False  # compiled steps advanced seq_lens only: `length` reads it back once
+        self._starting = True  # no update since the last reset (a host flag a compiled step can read: no length)
         self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
         self.key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means, from the first update
         self._recenter_pending = False  # the means came from this forward's update: the attention may drop pads
-        self.prefix_keys: torch.Tensor | None = None  # [rows, H, P, D] exact first real tokens (exact_prefix_tokens)
-        self.prefix_values: torch.Tensor | None = None
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
-        self.recent_keys: torch.Tensor | None = None  # [rows, H, W, D] ring of the last W tokens (recent_window)
-        self.recent_values: torch.Tensor | None = None
+        self._prefix_open = False  # length < prefix_fill_until, kept as a flag (a compiled step reads no length)
         self.recent_from = 0  # host int: the ring is valid from max(recent_from, length - W) (crop lowers it)
-        self.is_initialized = False
+        self.is_initialized = self.pool is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens per row (host int). After compiled decode steps, which advance only the device lengths, the
+        first eager read takes it back from the device (one read; never inside a compiled step)."""
+        if self._length_on_device:
+            self._length = int(self.seq_lens[0])
+            self._length_on_device = False
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+        self._length_on_device = False
 
     # ---- CacheLayerMixin --------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -123,6 +162,7 @@ class TurboQuantLayer(CacheLayerMixin):
                 )
         if heads != self.layout.num_kv_heads:
             self.layout = dataclasses.replace(self.layout, num_kv_heads=heads)
+        ops.layout_index(self.layout)  # registered outside any compiled region (compiled steps look it up)
         self.device = key_states.device
         self.dtype = key_states.dtype
         self.is_initialized = True
@@ -130,6 +170,11 @@ class TurboQuantLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, dense: bool = False,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress and store the new tokens; see the module docstring for what is returned."""
+        if self.max_cache_len is not None and torch.compiler.is_compiling():
+            if self._starting or (self.layout.config.key_centering and self.key_offset is None):
+                return _untraced_update(self, key_states, value_states, dense)
+            return self._traced_update(key_states, value_states, dense)
+        self._starting = False
         self._check_inputs(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -147,13 +192,13 @@ class TurboQuantLayer(CacheLayerMixin):
         slots = self._slots(start, new)
         if was_empty and self.layout.config.exact_prefix_tokens:
             shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
-            self.prefix_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
-            self.prefix_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
+            self.prefix_keys = self._zeros(self.prefix_keys, shape, key_states.dtype)
+            self.prefix_values = self._zeros(self.prefix_values, shape, value_states.dtype)
             self.prefix_fill_until = self.layout.config.exact_prefix_tokens
         if was_empty and self.layout.config.recent_window:
             shape = (rows, heads, self.layout.config.recent_window, dim)
-            self.recent_keys = torch.zeros(shape, dtype=key_states.dtype, device=self.device)
-            self.recent_values = torch.zeros(shape, dtype=value_states.dtype, device=self.device)
+            self.recent_keys = self._zeros(self.recent_keys, shape, key_states.dtype)
+            self.recent_values = self._zeros(self.recent_values, shape, value_states.dtype)
             self.recent_from = 0
         self._recenter_pending = False
         if was_empty:  # a new batch (or the same rows after crop(0)): new key_centering means
@@ -171,10 +216,61 @@ class TurboQuantLayer(CacheLayerMixin):
         # padding known so far (none at a first prefill: the prefix then counts from position 0; the
         # "turboquant" attention refills it once this forward's mask has told where the padding ends)
         self.fill_prefix(key_states, value_states, start)
+        self._prefix_open = self.prefix_keys is not None and self.length < self.prefix_fill_until
         if dense:  # another attention implementation: it never tells the cache where the padding ends
+            if self.max_cache_len is not None:  # as StaticLayer: the whole capacity, HF's mask hides the rest
+                return self._dense_capacity(key_states, value_states, start if exact else None)
             return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
         setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start))
         return key_states, value_states
+
+    def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                       dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() of a fixed-capacity layer under torch.compile: positions from the device, no host state read
+        that changes from step to step (one graph serves every decode step).
+
+        The new tokens' positions start at seq_lens (every row's length); a token past max_cache_len is not stored
+        and the lengths stop at max_cache_len (eager updates raise TurboQuantCacheFullError instead).
+        """
+        rows, _, new, _ = key_states.shape
+        t, limit = self.layout.block_size, self.max_cache_len
+        pos = self.seq_lens[:1].long() + torch.arange(new, device=self.device)  # [new]
+        kept = pos < limit
+        slots = self._row_slots[:, None] + ((pos // t) * (self.rows * t) + pos % t)[None, :]
+        slots = torch.where(kept[None, :], slots, -1).flatten()
+        ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
+                  key_offset=self.key_offset)
+        if self.recent_keys is not None:  # the last min(new, W) tokens into ring slot position % W, kept slots only
+            w = self.recent_keys.shape[2]
+            ring, keep = pos[-w:] % w, kept[-w:, None]
+            for buf, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
+                old = buf.index_select(2, ring)
+                buf.index_copy_(2, ring, torch.where(keep, x[:, :, -w:].to(buf.dtype), old))
+        if self._prefix_open:
+            self._copy_prefix(key_states, value_states, pos[0])
+        self.seq_lens.add_(kept.sum().to(self.seq_lens.dtype))
+        self._length_on_device = True
+        if dense:
+            return self._dense_capacity(key_states, value_states, None)
+        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, False, False, -1))
+        return key_states, value_states
+
+    def _dense_capacity(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                        exact_from: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole fixed capacity dequantized (for another attention implementation); exact_from: the position
+        from which the new tokens are returned as given (a first prefill with prefill_attention="exact")."""
+        k, v = self.dequantized(key_states.dtype, self.max_cache_len)
+        if exact_from is not None:
+            new = key_states.shape[2]
+            k[:, :, exact_from : exact_from + new] = key_states
+            v[:, :, exact_from : exact_from + new] = value_states
+        return k, v
+
+    def _zeros(self, buffer: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """Zeros of `shape`: a fixed-capacity layer zeroes its buffer of that shape in place (its address is static)."""
+        if self.max_cache_len is not None and buffer is not None and buffer.shape == shape and buffer.dtype == dtype:
+            return buffer.zero_()
+        return _static(torch.zeros(shape, dtype=dtype, device=self.device), self.max_cache_len is not None)
 
     def _check_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Clear errors for inputs the store would reject deep inside (or, worse, accept silently)."""
@@ -227,13 +323,18 @@ class TurboQuantLayer(CacheLayerMixin):
                                  "write through update()")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.max_cache_len is not None:  # one mask shape for every step, as StaticLayer
+            return self.max_cache_len, 0
         return self.length + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens per row; inside a compiled step of a fixed-capacity layer a 0-d device tensor (as StaticLayer's)."""
+        if self.max_cache_len is not None and torch.compiler.is_compiling():
+            return self.seq_lens[0] if self.seq_lens is not None else 0
         return self.length
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_cache_len is None else self.max_cache_len
 
     def offload(self) -> None:  # the pool stays where its layer runs
         pass
@@ -265,6 +366,8 @@ class TurboQuantLayer(CacheLayerMixin):
                 self.recent_from = max(self.recent_from, self.length - self.recent_keys.shape[2])
             self.length = new_length
             self.seq_lens.fill_(new_length)
+            self._prefix_open = self.prefix_keys is not None and new_length < self.prefix_fill_until
+            self._starting = new_length == 0
             if self.kv_start is not None:  # cropped into a row's left padding: what follows is real
                 self.kv_start = self.kv_start.clamp_max(new_length)
 
@@ -290,6 +393,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.needs_full_mask = self.needs_full_mask or not contiguous
         if self.prefix_keys is not None:
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
+            self._prefix_open = self.length < self.prefix_fill_until
 
     def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Once this forward's mask has told where each row's padding ends (set_padding), take the
@@ -317,6 +421,10 @@ class TurboQuantLayer(CacheLayerMixin):
         """
         if self.prefix_keys is None or start >= self.prefix_fill_until:
             return
+        self._copy_prefix(key_states, value_states, start)
+
+    def _copy_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int | torch.Tensor) -> None:
+        """fill_prefix's copy, for a host or a device (0-d) start position."""
         rows, heads, new, dim = key_states.shape
         p = self.prefix_keys.shape[2]
         first = torch.zeros(rows, dtype=torch.long, device=self.device) if self.kv_start is None else self.kv_start.long()
@@ -326,9 +434,11 @@ class TurboQuantLayer(CacheLayerMixin):
         for dst, src in ((self.prefix_keys, key_states), (self.prefix_values, value_states)):
             dst.copy_(torch.where(arrived, src.gather(2, index).to(dst.dtype), dst))
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole history as dense K/V [rows, H, length, D] (for other attention implementations)."""
-        used = -(-self.length // self.layout.block_size)
+    def dequantized(self, dtype: torch.dtype = torch.float32, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole history as dense K/V [rows, H, tokens, D] (for other attention implementations); tokens:
+        the length (a host int) by default; more: positions past the length hold whatever the pool holds."""
+        tokens = self.length if tokens is None else tokens
+        used = -(-tokens // self.layout.block_size)
         k, v = reference.gather(self.pool, self.layout, self.block_table[:, :used], self.key_offset)
         if self.prefix_keys is not None:
             k = reference.overlay_prefix(k, self.prefix_keys, self.kv_start)
@@ -336,7 +446,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.recent_keys is not None:
             k = reference.overlay_recent(k, self.recent_keys, self.seq_lens, self.recent_from)
             v = reference.overlay_recent(v, self.recent_values, self.seq_lens, self.recent_from)
-        return k[:, :, : self.length].to(dtype), v[:, :, : self.length].to(dtype)
+        return k[:, :, :tokens].to(dtype), v[:, :, :tokens].to(dtype)
 
     def memory_footprint(self) -> int:
         return self.pool_bytes() + self.exact_side_bytes()
@@ -352,8 +462,12 @@ class TurboQuantLayer(CacheLayerMixin):
 
     # ---- paging ------------------------------------------------------------------------------------
     def _start_batch(self, rows: int) -> None:
-        """An empty layer takes a (new) batch size; an existing pool is reinterpreted, not copied."""
-        if rows != self.rows:
+        """An empty layer takes a (new) batch size; an existing pool is reinterpreted, not copied (a fixed-capacity
+        layer allocates anew for another batch size)."""
+        if rows != self.rows and self.max_cache_len is not None:
+            self._drop_buffers()
+            self.rows = rows
+        elif rows != self.rows:
             self.rows = rows
             self.capacity = 0 if self.pool is None else self.pool.shape[0] // rows
             self.pool = None if self.pool is None else self.pool[: self.capacity * rows]
@@ -363,6 +477,9 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _reserve(self, tokens: int) -> None:
         """Make room for `tokens` per row: exact when empty, then geometric growth by a prefix copy."""
+        if self.max_cache_len is not None:
+            self._reserve_fixed(tokens)
+            return
         needed = -(-tokens // self.layout.block_size)
         if needed <= self.capacity:
             return
@@ -383,6 +500,24 @@ class TurboQuantLayer(CacheLayerMixin):
         self.pool, self.capacity = pool, grown
         self._rebuild_tables()
 
+    def _reserve_fixed(self, tokens: int) -> None:
+        """A fixed-capacity layer: its pool for max_cache_len tokens per row, allocated once; beyond it, an error."""
+        if tokens > self.max_cache_len:
+            raise TurboQuantCacheFullError(
+                f"TurboQuantCache holds max_cache_len={self.max_cache_len} tokens per row; this update needs {tokens}: "
+                "raise max_cache_len or shorten the generation"
+            )
+        if self.pool is not None:
+            return
+        blocks = -(-self.max_cache_len // self.layout.block_size)
+        if self.max_cache_tokens is not None and blocks * self.layout.block_size * self.rows > self.max_cache_tokens:
+            raise TurboQuantCacheFullError(
+                f"max_cache_len={self.max_cache_len} tokens per row x {self.rows} rows ({blocks} blocks of "
+                f"{self.layout.block_size} tokens per row) exceeds max_cache_tokens={self.max_cache_tokens}"
+            )
+        self.pool, self.capacity = _static(self.layout.allocate(blocks * self.rows, self.device)), blocks
+        self._rebuild_tables()
+
     def _growth(self, blocks: int) -> int:
         """Blocks per row a pool of `blocks` per row grows by: 1/GROWTH_DIVISOR of it, >= MIN_GROWTH_TOKENS."""
         return max(min_growth_blocks(self.layout.block_size), blocks // GROWTH_DIVISOR)
@@ -391,9 +526,10 @@ class TurboQuantLayer(CacheLayerMixin):
         """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
         rows = torch.arange(self.rows, device=self.device, dtype=torch.int32)
         blocks = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
-        self.block_table = blocks[None, :] * self.rows + rows[:, None]
-        self.seq_lens = torch.full((self.rows,), self.length, dtype=torch.int32, device=self.device)
-        self._row_slots = rows.long() * self.layout.block_size  # slot of (block 0, offset 0) of each row
+        static = self.max_cache_len is not None
+        self.block_table = _static(blocks[None, :] * self.rows + rows[:, None], static)
+        self.seq_lens = _static(torch.full((self.rows,), self.length, dtype=torch.int32, device=self.device), static)
+        self._row_slots = _static(rows.long() * self.layout.block_size, static)  # slot of (block 0, offset 0) of each row
         self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
     def _slots(self, start: int, count: int) -> torch.Tensor:
@@ -418,25 +554,46 @@ class TurboQuantLayer(CacheLayerMixin):
         old = self.pool.view(self.capacity, self.rows, *plane)
         # the new pool holds what is used plus the usual growth slack, not the old capacity: a pool
         # kept from a long earlier request must not be multiplied by the new row count
-        capacity = min(self.capacity, used + self._growth(used))
-        pool = self.layout.allocate(capacity * new_rows, self.device)
-        torch.index_select(old[:used], 1, indices, out=pool.view(capacity, new_rows, *plane)[:used])
-        self.pool = pool
+        capacity = self.capacity if self.max_cache_len is not None else min(self.capacity, used + self._growth(used))
+        # a fixed-capacity layer keeps its buffers' addresses (a compiled step's static inputs) while the rows do
+        in_place = self.max_cache_len is not None and new_rows == self.rows
+        if in_place:
+            old[:used].copy_(old[:used].index_select(1, indices))
+        else:
+            pool = _static(self.layout.allocate(capacity * new_rows, self.device), self.max_cache_len is not None)
+            torch.index_select(old[:used], 1, indices, out=pool.view(capacity, new_rows, *plane)[:used])
+            self.pool = pool
         rebuild = new_rows != self.rows or capacity != self.capacity
         self.capacity = capacity
         if self.kv_start is not None:
             self.kv_start = self.kv_start.index_select(0, indices)
         if self.key_offset is not None:
             self.key_offset = self.key_offset.index_select(0, indices)
-        if self.prefix_keys is not None:
-            self.prefix_keys = self.prefix_keys.index_select(0, indices)
-            self.prefix_values = self.prefix_values.index_select(0, indices)
-        if self.recent_keys is not None:
-            self.recent_keys = self.recent_keys.index_select(0, indices)
-            self.recent_values = self.recent_values.index_select(0, indices)
+        for name in ("prefix_keys", "prefix_values", "recent_keys", "recent_values"):
+            buffer = getattr(self, name)
+            if buffer is not None:
+                picked = buffer.index_select(0, indices)
+                setattr(self, name, buffer.copy_(picked) if in_place else _static(picked, self.max_cache_len is not None))
         if rebuild:
             self.rows = new_rows
             self._rebuild_tables()
+
+
+@torch.compiler.disable
+def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+                     dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first update of a fixed-capacity layer inside a compiled region (a compiled prefill, as generate()'s
+    chunked prefill): eager, behind a graph break, as the padding, the key-centering means and the exact prefix
+    bound need host logic. A decode step never comes here."""
+    return layer.update(key_states, value_states, dense=dense)
+
+
+def _static(t: torch.Tensor, static: bool = True) -> torch.Tensor:
+    """Mark a fixed-capacity layer's persistent buffer as having a static address (as StaticLayer does), so CUDA
+    graphs of a compiled step read and write it in place; `t` is returned."""
+    if static and not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
 
 
 def _key_mean(key_states: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -477,10 +634,16 @@ class TurboQuantCache(Cache):
         tq_config: a full TurboQuantConfig instead of a preset.
         max_cache_tokens: optional bound on tokens per layer summed over the batch; exceeding it
             raises TurboQuantCacheFullError.
+        max_cache_len: optional fixed capacity in tokens per row (as StaticCache's): every layer is allocated
+            for it at the first update and the cache is `is_compileable`, so generate() compiles the decode
+            step by itself (on CUDA) and torch.compile(model.forward, fullgraph=True) traces one graph for
+            every step. Eager updates past it raise TurboQuantCacheFullError; a compiled step's compressed
+            layers store no token past it (the lengths stop there), while full-precision layers, transformers'
+            StaticLayer, index out of bounds as under a StaticCache. None (default): the pool grows with the tokens.
     """
 
     def __init__(self, config, preset: str | None = None, tq_config: TurboQuantConfig | None = None,
-                 max_cache_tokens: int | None = None):
+                 max_cache_tokens: int | None = None, max_cache_len: int | None = None):
         if tq_config is not None and preset is not None:
             raise ValueError("pass either preset or tq_config, not both")
         if tq_config is None:
@@ -489,6 +652,9 @@ class TurboQuantCache(Cache):
             raise TypeError(f"tq_config must be a TurboQuantConfig, got {type(tq_config).__name__}")
         if max_cache_tokens is not None and (not isinstance(max_cache_tokens, int) or max_cache_tokens < 1):
             raise ValueError(f"max_cache_tokens must be a positive int or None, got {max_cache_tokens!r}")
+        if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive int (tokens per row) or None, got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
         self.config = config
         self.tq_config = tq_config
         check_supported(config)
@@ -501,10 +667,10 @@ class TurboQuantCache(Cache):
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         layout = BlockLayout(tq_config, kv_heads, head_dim)
         full_precision = tq_config.full_precision_layer_set(num_layers)
-        windows = exact_sliding_windows(text, num_layers, tq_config.sliding_layers)
+        windows = self._exact_windows = exact_sliding_windows(text, num_layers, tq_config.sliding_layers)
         layers = [
-            DynamicSlidingWindowLayer(sliding_window=windows[i]) if i in windows
-            else DynamicLayer() if i in full_precision else TurboQuantLayer(layout, max_cache_tokens)
+            _exact_layer(max_cache_len, windows.get(i)) if i in windows or i in full_precision
+            else TurboQuantLayer(layout, max_cache_tokens, max_cache_len)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
@@ -515,8 +681,8 @@ class TurboQuantCache(Cache):
         """Why no layer of this cache is compressed ("" when some are)."""
         if any(isinstance(layer, TurboQuantLayer) for layer in self.layers):
             return ""
-        sliding = [layer for layer in self.layers if isinstance(layer, DynamicSlidingWindowLayer)]
-        windows = sorted({layer.sliding_window for layer in sliding})
+        sliding = self._exact_windows
+        windows = sorted(set(sliding.values()))
         reasons = []
         if sliding:
             reasons.append(f"{len(sliding)} sliding-window layers keep transformers' exact window (windows {windows} "
@@ -530,8 +696,8 @@ class TurboQuantCache(Cache):
             raise ValueError(f"layer_idx {layer_idx!r} does not exist: this TurboQuantCache has {len(self.layers)} "
                              f"layers (0 to {len(self.layers) - 1}, from the model config it was built with)")
         layer = self.layers[layer_idx]
-        if layer.get_seq_length() == 0:  # a layer (re)starting a batch: every layer must hold the same rows
-            self._check_batch_size(layer_idx, key_states.shape[0])
+        if not torch.compiler.is_compiling() and _rows_held(layer) is None:  # a layer (re)starting a batch:
+            self._check_batch_size(layer_idx, key_states.shape[0])  # every layer must hold the same rows
         if isinstance(layer, TurboQuantLayer):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
         return layer.update(key_states, value_states, *args, **kwargs)
@@ -549,9 +715,9 @@ class TurboQuantCache(Cache):
     @property
     def attends_compressed(self) -> bool:
         """Whether the model runs the "turboquant" attention (read now: set_attn_implementation may change it)."""
-        impl = getattr(self._text_config, "_attn_implementation", None)
+        impl = _attn_implementation(self._text_config)
         if impl is None:
-            impl = getattr(self.config, "_attn_implementation", None)
+            impl = _attn_implementation(self.config)
         return impl == ATTENTION_NAME
 
     # ---- reports --------------------------------------------------------------------------------
@@ -597,11 +763,34 @@ class TurboQuantCache(Cache):
         return self.summary()
 
 
+def _attn_implementation(config) -> str | None:
+    """config._attn_implementation, read past transformers' attribute hooks where it can be (every update reads it:
+    the hooks cost ~5 us per read at B=1)."""
+    if not torch.compiler.is_compiling():  # (dynamo cannot trace object.__getattribute__)
+        stored = object.__getattribute__(config, "__dict__")
+        if "_attn_implementation_internal" in stored:
+            return stored["_attn_implementation_internal"]
+    return getattr(config, "_attn_implementation", None)
+
+
 def _rows_held(layer) -> int | None:
-    """Batch size of a non-empty layer (compressed or dense), else None."""
-    if layer.get_seq_length() == 0:
-        return None
-    return layer.rows if isinstance(layer, TurboQuantLayer) else layer.keys.shape[0]
+    """Batch size of a non-empty layer (compressed or dense), else None; no device read (a static layer counts
+    as holding rows once allocated)."""
+    if isinstance(layer, TurboQuantLayer):
+        return layer.rows if layer.length else None
+    if isinstance(layer, StaticLayer):
+        return layer.keys.shape[0] if layer.is_initialized else None
+    return layer.keys.shape[0] if layer.get_seq_length() else None
+
+
+def _exact_layer(max_cache_len: int | None, sliding_window: int | None) -> CacheLayerMixin:
+    """An uncompressed layer (full_precision_layers, or a sliding-window layer kept exact): transformers' own,
+    static when the cache has a fixed capacity."""
+    if max_cache_len is None:
+        return DynamicLayer() if sliding_window is None else DynamicSlidingWindowLayer(sliding_window=sliding_window)
+    if sliding_window is None:
+        return StaticLayer(max_cache_len=max_cache_len)
+    return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=sliding_window)
 
 
 def sliding_windows(text_config, num_layers: int) -> dict[int, int]:

@@ -2,6 +2,15 @@
 
 The kernels and the reference share one signature per operation, so callers (the cache, the
 attention function) never branch on the device themselves.
+
+Under torch.compile the same operations are the custom ops `tq_hf::store` (mutates the pool, and
+the recent ring and row lengths when given) and `tq_hf::paged_attention` (returns a new tensor),
+with fake implementations, so dynamo traces a decode step as one graph and CUDA graphs capture it.
+Eager calls skip the custom-op dispatcher (tens of microseconds per call at B=1) and run the
+implementation directly. custom_op rather than triton_op: the launchers replay compiled kernels
+without Triton's per-call Python (kernels/fast_launch.py), which inductor could not trace anyway;
+opaque ops keep that and still let CUDA graphs capture the launches. A custom op cannot take a BlockLayout: layouts are registered once and
+passed by index (`layout_index`).
 """
 
 from __future__ import annotations
@@ -13,16 +22,32 @@ import torch
 from . import reference
 from .layout import BlockLayout
 
+_LAYOUTS: list[BlockLayout] = []  # index -> layout; kept alive so the kernels' plan caches keyed by id stay valid
+_LAYOUT_INDEX: dict[BlockLayout, int] = {}
+
 
 def use_kernels(t: torch.Tensor) -> bool:
     """Kernels on CUDA tensors, unless TQ_HF_FORCE_REFERENCE=1 (for A/B checks)."""
     return t.is_cuda and os.environ.get("TQ_HF_FORCE_REFERENCE", "0") != "1"
 
 
+def layout_index(layout: BlockLayout) -> int:
+    """The registered index of `layout` (registered on first sight): how the custom ops name a layout."""
+    index = _LAYOUT_INDEX.get(layout)
+    if index is None:
+        index = _LAYOUT_INDEX[layout] = len(_LAYOUTS)
+        _LAYOUTS.append(layout)
+    return index
+
+
 def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
           **kwargs) -> None:
     """Quantize key/value [N, H, D] into slots [N] of pool (negative slots skipped); see reference.store."""
-    if use_kernels(pool):
+    if torch.compiler.is_compiling():
+        recent = kwargs.get("recent") or (None, None)
+        torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
+                              kwargs.get("start", 0), kwargs.get("seq_lens"))
+    elif use_kernels(pool):
         from .kernels import store_kv
 
         store_kv(pool, layout, key, value, slots, **kwargs)
@@ -33,10 +58,62 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
 def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the pool; see reference.paged_attention. out: a buffer of
-    query's shape and dtype (any strides, last dimension contiguous) the result goes into; returned."""
+    query's shape and dtype (any strides, last dimension contiguous) the result goes into; returned.
+    Under torch.compile the result is a new tensor (`out` is then not written): use the return value."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tq_hf.paged_attention(
+            query, pool, layout_index(layout), block_table, seq_lens, float(scale), kwargs.get("kv_start"),
+            kwargs.get("sliding_window"), kwargs.get("sinks"), kwargs.get("softcap"), kwargs.get("max_seq_len"),
+            kwargs.get("key_offset"), kwargs.get("prefix_keys"), kwargs.get("prefix_values"),
+            kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0),
+        ).transpose(1, 2)
     if use_kernels(pool):
         from .kernels import unified_attention
 
         return unified_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
     result = reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
     return result if out is None else out.copy_(result)
+
+
+# ---- the custom ops (what torch.compile sees) ----------------------------------------------------
+@torch.library.custom_op("tq_hf::store", mutates_args=("pool", "recent_keys", "recent_values", "seq_lens"))
+def _store_op(pool: torch.Tensor, layout: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+              key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None, recent_values: torch.Tensor | None,
+              start: int, seq_lens: torch.Tensor | None) -> None:
+    recent = None if recent_keys is None else (recent_keys, recent_values)
+    store(pool, _LAYOUTS[layout], key, value, slots, key_offset=key_offset, recent=recent, start=start,
+           seq_lens=seq_lens)
+
+
+@_store_op.register_fake
+def _(pool, layout, key, value, slots, key_offset, recent_keys, recent_values, start, seq_lens) -> None:
+    return None
+
+
+@torch.library.custom_op("tq_hf::paged_attention", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, kv_start: torch.Tensor | None, sliding_window: int | None,
+                        sinks: torch.Tensor | None, softcap: float | None, max_seq_len: int | None,
+                        key_offset: torch.Tensor | None, prefix_keys: torch.Tensor | None,
+                        prefix_values: torch.Tensor | None, recent_keys: torch.Tensor | None,
+                        recent_values: torch.Tensor | None, recent_from: int) -> torch.Tensor:
+    """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
+    out = _query_major(query)
+    paged_attention(query, pool, _LAYOUTS[layout], block_table, seq_lens, scale, out=out.transpose(1, 2),
+                     kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+                     max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys,
+                     prefix_values=prefix_values, recent_keys=recent_keys, recent_values=recent_values,
+                     recent_from=recent_from)
+    return out
+
+
+@_paged_attention_op.register_fake
+def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap, max_seq_len,
+      key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from) -> torch.Tensor:
+    return _query_major(query)
+
+
+def _query_major(query: torch.Tensor) -> torch.Tensor:
+    """An empty [B, Lq, Hq, D] for query [B, Hq, Lq, D]."""
+    b, h, lq, d = query.shape
+    return query.new_empty(b, lq, h, d)

@@ -74,3 +74,25 @@ def test_one_context_per_cache_writes_the_table_without_plots(tmp_path):
     speed.write_outputs(tmp_path, report)
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "table.md"}
     assert (tmp_path / "table.md").read_text().splitlines()[2] == "Command: `python -m eval.speed --points 16x32768`"
+
+
+def test_compiled_rows_and_both_ratios(tmp_path):
+    """fp16+compile (StaticCache) and a TurboQuantCache+compile (max_cache_len) run through generate()'s compiled
+    decode in the same run as the eager rows; every row gets its ratio to both fp16 rows."""
+    out = tmp_path / "speed"
+    tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
+    speed.main(["--preset-set", "tiny", "--points", "1x32", "--caches", f"fp16+compile,{tq},{tq}+compile",
+                "--out", str(out), "--device", "cpu"])
+    rows = {r["cache"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert list(rows) == ["fp16", "fp16+compile", tq, f"{tq}+compile"]
+    assert rows["fp16+compile"]["decode_vs_fp16_compiled"] == 1.0 and rows["fp16"]["decode_vs_fp16"] == 1.0
+    for r in rows.values():
+        assert r["decode_vs_fp16"] > 0 and r["decode_vs_fp16_compiled"] > 0
+    # fixed capacity: the pool holds S + 5 tokens of 4-bit codes, under the growing pool's block slack
+    assert rows[f"{tq}+compile"]["cache_bytes"] <= rows[tq]["cache_bytes"]
+    assert rows["fp16+compile"]["cache_bytes"] == 1 * (32 + 5) * 2 * 2 * 32 * 2 * 4  # StaticCache: S + 5 tokens, fp32
+
+
+def test_compile_suffix_only_for_caches_that_have_a_compileable_form():
+    with pytest.raises(ValueError, match="compile"):
+        speed.resolve_caches("naive-int4+compile")

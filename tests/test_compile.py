@@ -1,0 +1,380 @@
+"""A fixed-capacity TurboQuantCache (max_cache_len) under torch.compile, on CPU (reference path).
+
+The graph checks compile with backend="eager" (dynamo traces the whole step: graph breaks and
+recompiles show exactly as with inductor, without a C++ build per test) and one test runs inductor.
+What is checked: one graph for the whole decode step, no graph break, no recompilation from one
+step to the next (torch._dynamo.config.error_on_recompile), and the same tokens as the eager
+growing cache, whose own equality with an independent oracle tests/test_generate.py checks. The
+eager fixed-capacity cache must equal the growing cache: same positions, same bytes stored.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch._dynamo
+from models import assert_close, generate, left_padded_batch, tiny_model, tq_config, with_cache
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from tq_hf import PRESETS, TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
+from tq_hf.cache import TurboQuantLayer
+
+ATOL = 1e-5  # fp32 logits: the fixed cache reads the same bytes through a longer (masked) block table
+STEPS = 10  # decode steps after the first compiled one (the warm-up that traces)
+
+
+@pytest.fixture
+def dynamo():
+    """A clean dynamo (no graphs from earlier tests), recompiles raising, counters cleared."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield counters
+    torch._dynamo.reset()
+
+
+def assert_one_graph(stats):
+    assert dict(stats["graph_break"]) == {}, f"graph breaks: {dict(stats['graph_break'])}"
+    assert stats["stats"]["unique_graphs"] == 1, f"graphs: {dict(stats['stats'])}"
+
+
+@torch.no_grad()
+def decode_loop(model, cache, forward, ids, steps=STEPS + 1):
+    """Prefill eagerly, then greedy decode through `forward` (positions given, no mask: nothing padded)."""
+    out = model(input_ids=ids, use_cache=True, **with_cache(cache))
+    token = out.logits[:, -1:].argmax(-1)
+    tokens, logits = [token], [out.logits[:, -1]]
+    # transformers versions whose models still take cache_position derive it from the cache length unless given
+    takes_cache_position = "cache_position" in inspect.signature(model.model.forward).parameters
+    for pos in range(ids.shape[1], ids.shape[1] + steps):
+        extra = {"cache_position": torch.tensor([pos], device=ids.device)} if takes_cache_position else {}
+        out = forward(input_ids=token, position_ids=torch.full_like(token, pos), use_cache=True, **with_cache(cache),
+                      **extra)
+        token = out.logits[:, -1:].argmax(-1)
+        tokens.append(token)
+        logits.append(out.logits[:, -1].clone())  # a CUDA graph's next replay overwrites its outputs
+    return torch.cat(tokens, 1), torch.stack(logits)
+
+
+def compile_config(**kwargs) -> CompileConfig:
+    """generate()'s compile settings for a CPU test: dynamo with the eager backend, on any device."""
+    config = CompileConfig(**{"backend": "eager", "fullgraph": True, "mode": None, **kwargs})
+    config._compile_all_devices = True  # generate() compiles on CUDA-like devices only, unless told
+    return config
+
+
+def prompts(batch=2, length=11, seed=0):
+    return torch.randint(3, 90, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ---- the manual decode loop: torch.compile(model.forward, fullgraph=True) -----------------------
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_compiled_decode_step_is_one_graph_with_the_eager_tokens(preset, dynamo):
+    model = tiny_model("llama")
+    cfg = tq_config(preset=preset)
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64),
+                           torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0]), f"{preset}: tokens differ\n{compiled[0]}\n{eager[0]}"
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what=f"{preset} logits")
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("sliding", ["exact", "compressed"])
+def test_compiled_decode_of_other_families(family, sliding, dynamo):
+    """Sliding windows, softcapping, attention sinks. Sliding layers kept exact are transformers' own
+    StaticSlidingWindowLayer, whose host-int length makes dynamo compile once more (then dynamic), exactly as
+    under a StaticCache: two graphs, no more."""
+    model = tiny_model(family)
+    cfg = tq_config(sliding_layers=sliding)
+    ids = prompts(length=9)
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    with torch._dynamo.config.patch(error_on_recompile=sliding == "compressed"):
+        compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32),
+                               torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    if sliding == "compressed":
+        assert_one_graph(dynamo)
+    else:
+        assert dict(dynamo["graph_break"]) == {} and dynamo["stats"]["unique_graphs"] <= 2, dict(dynamo["stats"])
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what=f"{family} {sliding} logits")
+
+
+def test_inductor_compiles_the_decode_step(dynamo):
+    """The default backend on CPU: the custom ops run inside an inductor graph (the pool mutated in place)."""
+    model = tiny_model("llama")
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config()), model.forward, ids, steps=9)
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=48),
+                           torch.compile(model.forward, fullgraph=True), ids, steps=9)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=1e-4, rtol=1e-4, what="inductor logits")
+
+
+def test_compiled_steps_keep_the_cache_state_readable(dynamo):
+    """After compiled steps the host length follows the device lengths, and eager steps continue the cache."""
+    model = tiny_model("llama")
+    ids = prompts()
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=40)
+    decode_loop(model, cache, torch.compile(model.forward, fullgraph=True, backend="eager"), ids, steps=5)
+    assert cache.get_seq_length() == ids.shape[1] + 5
+    layer = next(layer for layer in cache.layers if isinstance(layer, TurboQuantLayer))
+    assert layer.seq_lens.tolist() == [ids.shape[1] + 5] * ids.shape[0]
+    cache.crop(-2)
+    assert cache.get_seq_length() == ids.shape[1] + 3
+
+
+def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
+    """A prefill inside the compiled region (as generate()'s chunked prefill on transformers >= 5.24) takes a graph
+    break for each layer's first update (host logic: padding, means, prefix bound), then decodes as usual."""
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([5, 9], seed=10)
+    cfg = tq_config()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6,
+                     prefill_chunk_size=4)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24),
+                            max_new_tokens=6, prefill_chunk_size=4, compile_config=compile_config(fullgraph=False))
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what="chunked prefill logits")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="_untraced_update|disable"), torch.no_grad():
+        cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24)
+        torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=prompts(), **with_cache(cache))
+
+
+# ---- the fixed capacity in eager mode ---------------------------------------------------------------
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_fixed_capacity_equals_the_growing_cache_with_left_padding(preset):
+    model = tiny_model("llama")
+    cfg = tq_config(preset=preset)
+    ids, mask, _ = left_padded_batch([7, 12, 3], seed=3)
+    growing = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=10)
+    fixed = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                     max_new_tokens=10)
+    assert torch.equal(fixed[0], growing[0])
+    assert_close(fixed[1], growing[1], atol=ATOL, rtol=1e-5, what=f"{preset} logits")
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_beams": 3}, {"do_sample": True, "num_return_sequences": 2}, {"prefill_chunk_size": 4},
+    {"prompt_lookup_num_tokens": 3},
+], ids=["beams", "sampling", "chunked_prefill", "prompt_lookup"])
+def test_generate_modes_over_a_fixed_capacity(kwargs):
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([9, 13], seed=4)
+    if "prompt_lookup_num_tokens" in kwargs:
+        ids, mask = ids[:1], mask[:1]
+    cfg = tq_config()
+    torch.manual_seed(0)
+    growing = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=8, **kwargs)
+    torch.manual_seed(0)
+    fixed = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=48),
+                     max_new_tokens=8, **kwargs)
+    assert torch.equal(fixed[0], growing[0])
+    assert_close(fixed[1], growing[1], atol=ATOL, rtol=1e-5, what=f"{kwargs} logits")
+
+
+def test_assisted_decoding_crops_a_fixed_capacity():
+    model, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
+    ids = prompts(batch=1, length=9)
+    cfg = tq_config()
+    growing = generate(model, ids, None, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=10,
+                       assistant_model=assistant)
+    fixed = generate(model, ids, None, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32),
+                     max_new_tokens=10, assistant_model=assistant)
+    assert torch.equal(fixed[0], growing[0])
+
+
+def test_other_attention_implementation_over_a_fixed_capacity():
+    """sdpa over the dequantized capacity (as over a StaticCache) equals sdpa over the growing cache's history."""
+    model = tiny_model("llama", attn="sdpa")
+    ids, mask, _ = left_padded_batch([6, 10], seed=5)
+    cfg = tq_config()
+    growing = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6)
+    fixed = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24),
+                     max_new_tokens=6)
+    assert torch.equal(fixed[0], growing[0])
+    assert_close(fixed[1], growing[1], atol=1e-4, rtol=1e-4, what="sdpa logits")
+
+
+def test_a_fixed_capacity_is_reused_across_generate_calls_without_reallocating():
+    model = tiny_model("llama")
+    cfg = tq_config()
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32)
+    ids, mask, _ = left_padded_batch([5, 8], seed=6)
+    generate(model, ids, mask, cache, max_new_tokens=4)
+    pools = [layer.pool for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+    cache.reset()
+    ids, mask, _ = left_padded_batch([9, 4], seed=7)
+    again = generate(model, ids, mask, cache, max_new_tokens=6)
+    fresh = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6)
+    assert torch.equal(again[0], fresh[0])
+    assert_close(again[1], fresh[1], atol=ATOL, rtol=1e-5, what="reused cache logits")
+    assert all(a is b for a, b in zip(pools, (l.pool for l in cache.layers if isinstance(l, TurboQuantLayer))))
+
+
+def test_overflow_raises_in_eager_and_stops_storing_when_compiled(dynamo):
+    model = tiny_model("llama")
+    ids = prompts(length=8)
+    with pytest.raises(TurboQuantCacheFullError, match="max_cache_len=10"):
+        decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=10), model.forward,
+                    ids, steps=4)
+    # every layer compressed (a full-precision layer is transformers' StaticLayer, which indexes out of bounds)
+    cache = TurboQuantCache(model.config, tq_config=TurboQuantConfig.from_preset("4bit"), max_cache_len=10)
+    decode_loop(model, cache, torch.compile(model.forward, fullgraph=True, backend="eager"), ids, steps=5)
+    assert cache.get_seq_length() == 10  # the documented behaviour: tokens past the capacity are not stored
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "64"])
+def test_bad_max_cache_len_is_rejected(bad):
+    with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+        TurboQuantCache(tiny_model("llama").config, max_cache_len=bad)
+
+
+def test_compileable_only_with_a_fixed_capacity():
+    model = tiny_model("mistral")  # sliding layers kept exact by default: transformers' static window layers
+    assert TurboQuantCache(model.config, preset="4bit", max_cache_len=16).is_compileable
+    assert not TurboQuantCache(model.config, preset="4bit").is_compileable
+
+
+# ---- generate()'s own compile path ----------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_generate_compiles_the_decode_step_by_itself(family, dynamo):
+    """With a compileable cache generate() compiles (model._compiled_call); left padding; same tokens as eager."""
+    model = tiny_model(family)
+    cfg = tq_config()
+    ids, mask, _ = left_padded_batch([7, 11, 9], seed=8)
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=10)
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40)
+    assert model._valid_auto_compile_criteria({"cache": cache, "past_key_values": cache},
+                                              model.generation_config.__class__(compile_config=compile_config()))
+    compiled = generate(model, ids, mask, cache, max_new_tokens=10, compile_config=compile_config())
+    assert hasattr(model, "_compiled_call")
+    assert_one_graph(dynamo)
+    assert dynamo["stats"]["calls_captured"] > 0
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what=f"{family} generate logits")
+
+
+def test_beam_search_with_a_compile_config(dynamo):
+    """Beams reorder a fixed-capacity cache in place; whether generate() compiles beam search depends on the
+    transformers version, so only the tokens and the absence of graph breaks are checked."""
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([6, 9], seed=9)
+    cfg = tq_config()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6, num_beams=3)
+    compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32),
+                        max_new_tokens=6, num_beams=3, compile_config=compile_config())
+    assert dict(dynamo["graph_break"]) == {} and dynamo["stats"]["unique_graphs"] <= 1
+    assert torch.equal(compiled[0], eager[0])
+
+
+# ---- the custom ops ------------------------------------------------------------------------------------
+def test_custom_ops_pass_opcheck():
+    """Schemas, fake implementations and the declared mutation agree with what the ops do (torch.library.opcheck)."""
+    from tq_hf import ops
+    from tq_hf.layout import BlockLayout
+
+    layout = BlockLayout(tq_config(), 2, 32)
+    index = ops.layout_index(layout)
+    pool = layout.allocate(4, "cpu")
+    key, value = torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    slots = torch.tensor([0, layout.block_size])
+    ring_k, ring_v = torch.zeros(2, 2, 4, 32), torch.zeros(2, 2, 4, 32)
+    seq_lens = torch.zeros(2, dtype=torch.int32)
+    torch.library.opcheck(torch.ops.tq_hf.store, (pool, index, key, value, slots, None, ring_k, ring_v, 0, seq_lens),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.ops.tq_hf.store(pool, index, key, value, slots, None, ring_k, ring_v, 0, seq_lens)
+    table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
+    query = torch.randn(2, 4, 1, 32)
+    args = (query, pool, index, table, seq_lens, 0.2, None, None, None, None, 2 * layout.block_size, None, None, None,
+            ring_k, ring_v, 0)
+    torch.library.opcheck(torch.ops.tq_hf.paged_attention, args)
+    out = torch.ops.tq_hf.paged_attention(*args)
+    expected = ops.paged_attention(query, pool, layout, table, seq_lens, 0.2, max_seq_len=2 * layout.block_size,
+                                   recent_keys=ring_k, recent_values=ring_v)
+    assert_close(out.transpose(1, 2), expected, atol=0, what="custom op vs direct call")
+
+
+# ---- CUDA graphs (GPU) -----------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+def test_gpu_reduce_overhead_captures_the_decode_step(preset, dynamo):
+    """mode="reduce-overhead": inductor + CUDA graphs over the Triton kernels; same tokens as the eager kernels over
+    the same fixed capacity (the same launch plans), logits close to the growing cache's."""
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    cfg = tq_config(preset=preset)
+    ids = prompts().cuda()
+    growing = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64), model.forward, ids)
+    assert_close(eager[1], growing[1], atol=2e-2, rtol=2e-2, what=f"{preset} fixed vs growing fp16 logits")
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64),
+                           torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), ids)
+    assert_one_graph(dynamo)
+    assert dynamo["inductor"].get("cudagraph_skips", 0) == 0, dict(dynamo["inductor"])
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=2e-2, rtol=2e-2, what=f"{preset} fp16 logits")
+
+
+def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeypatch):
+    """The CUDA path's launchers, recorded on CPU (delegating to the reference): every compiled decode step hands
+    store_kv and unified_attention the same host-side arguments (start, max_seq_len, recent_from, ...), so a
+    captured CUDA graph replays launches that stay valid; positions and lengths travel as device tensors."""
+    import tq_hf.kernels
+    from tq_hf import ops, reference
+
+    calls = []
+
+    def host_args(kwargs):
+        return tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, (torch.Tensor, tuple))))
+
+    def store_kv(pool, layout, key, value, slots, **kwargs):
+        calls.append(("store", key.shape[0], host_args(kwargs)))
+        reference.store(pool, layout, key, value, slots, **kwargs)
+
+    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, **kwargs):
+        calls.append(("attention", query.shape[2], host_args(kwargs)))
+        return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
+    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
+    model = tiny_model("llama")
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config()), model.forward, ids)
+    calls.clear()
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=64),
+                           torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0])
+    per_step = 2 * 2  # a store and an attention for each of the 2 compressed layers
+    decode = calls[-(STEPS + 1) * per_step:]  # every compiled step, the tracing one included
+    first = decode[:per_step]
+    assert [(op, tokens) for op, tokens, _ in first] == [("store", 2), ("attention", 1)] * 2  # B=2 rows, 1 query
+    for i in range(1, STEPS + 1):
+        assert decode[i * per_step:(i + 1) * per_step] == first, f"step {i}: {decode[i * per_step:(i + 1) * per_step]}"
+    assert dict(first[1][2])["max_seq_len"] == 64 and dict(first[0][2])["start"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_generate_compiles_by_itself_with_cuda_graphs():
+    """On CUDA generate() compiles (inductor, reduce-overhead) with no compile_config, as for a StaticCache."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    ids, mask, _ = left_padded_batch([7, 11], seed=11, device="cuda")
+    cfg = tq_config()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                     max_new_tokens=10, disable_compile=True)
+    compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                        max_new_tokens=10)
+    assert hasattr(model, "_compiled_call")
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=2e-2, rtol=2e-2, what="fp16 generate logits")
+    torch._dynamo.reset()
