@@ -276,6 +276,12 @@ def _tq_bytes(cfg, config) -> float:
     return heads * (compressed * cfg.token_head_bytes(dim) + exact * 2 * FP16_BYTES * dim)
 
 
+def dense_layer_extra_bytes(config, cfg, layers: int) -> int:
+    """Bytes per token that `layers` layers kept dense (fp16) add over their compressed form."""
+    _, heads, dim = kv_geometry(config)
+    return layers * heads * (2 * FP16_BYTES * dim - cfg.token_head_bytes(dim))
+
+
 def _tq_unavailable() -> str | None:
     try:
         from tq_hf import TurboQuantCache  # noqa: F401

@@ -90,6 +90,8 @@ class Tally:
         self.top1 = self.tokens = 0
         self.seconds = 0.0
         self.footprint: tuple[int, int] | None = None  # (bytes, tokens) at the end of a window
+        self.dense_by_check: set[int] = set()  # TurboQuantCache layers its first-prefill check kept dense
+        self.dense_extra_bytes = 0  # what those layers add per token over their compressed form
 
     def add(self, logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> None:
         self.nll -= logp.gather(-1, targets[:, None]).sum().item()
@@ -137,6 +139,10 @@ def evaluate(model, token_ids: torch.Tensor, specs: list[common.CacheSpec], args
             size = common.footprint(cache)
             if size is not None:
                 tally.footprint = (size, end - begin)
+            if getattr(cache, "dense_by_check", None):
+                tally.dense_by_check.update(cache.dense_by_check)
+                tally.dense_extra_bytes = common.dense_layer_extra_bytes(model.config, cache.tq_config,
+                                                                         len(tally.dense_by_check))
             del cache
             bar.update()
         if on_window is not None:
@@ -158,8 +164,9 @@ def summarize(specs, tallies: dict[str, Tally], config, first_scored_after_prefi
             "ppl": ppl, "delta_pct": 100.0 * (ppl / ref_ppl - 1.0),
             "kl": t.kl / t.tokens, "top1": t.top1 / t.tokens, "tokens": t.tokens,
             "tokens_reading_cache": first_scored_after_prefill,
-            "kv_bytes_per_token": spec.bytes_per_token(config),
-            "kv_vs_fp16": spec.bytes_per_token(config) / dense,
+            "kv_bytes_per_token": spec.bytes_per_token(config) + t.dense_extra_bytes,
+            "kv_vs_fp16": (spec.bytes_per_token(config) + t.dense_extra_bytes) / dense,
+            "dense_by_check": sorted(t.dense_by_check),
             "seconds": round(t.seconds, 2),
         }
         if t.footprint:
@@ -175,7 +182,9 @@ def write_outputs(out: Path, report: dict) -> None:
     table = common.markdown_table(
         ["cache", "PPL", "delta vs fp16", "mean KL", "top-1 agree", "KV bytes/token", "vs fp16", "what"],
         [[r["preset"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['kl']:.4g}", f"{r['top1']:.2%}",
-          f"{r['kv_bytes_per_token']:.0f}", f"{r['kv_vs_fp16']:.3f}", r["description"]] for r in rows],
+          f"{r['kv_bytes_per_token']:.0f}", f"{r['kv_vs_fp16']:.3f}",
+          r["description"] + (f"; layers {r['dense_by_check']} kept dense by the first prefill's check"
+                              if r.get("dense_by_check") else "")] for r in rows],
     )
     head = common.md_header(
         "Perplexity with the KV cache in the loop", report["meta"]["command"], f"model: {report['model']}",

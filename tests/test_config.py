@@ -33,9 +33,8 @@ def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     assert cfg == TurboQuantConfig.from_preset("4bit")
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
     assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (True, True, 4, 128)
-    assert not TurboQuantConfig.from_preset("k8v4").key_centering  # measured without it
-    assert TurboQuantConfig.from_preset("k3v4").key_centering and TurboQuantConfig.from_preset("3bit").key_centering
-    assert cfg.full_precision_layers == ()
+    assert all(TurboQuantConfig.from_preset(p).key_centering for p in PRESETS)  # FP8 keys too (Qwen2.5's biases)
+    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5
 
 
 @pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),

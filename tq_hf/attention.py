@@ -21,6 +21,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import ops, reference
+from .sensitivity import key_quantization_kl
 from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, SUPPORTED_DTYPES, LayerStep
 
 PADDING_ATTRIBUTE = "_turboquant_padding"  # attribute of a mask tensor: the 2-D padding mask [B, S] bool
@@ -57,6 +58,7 @@ def turboquant_attention_forward(
             _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
             step.layer.recenter(key, value, step.start)
             step.layer.fill_prefix(key, value, step.start)
+            _keep_dense_if_sensitive(step, query, key, value, scale, softcap)
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
 
@@ -72,6 +74,9 @@ def turboquant_attention_forward(
         _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
         layer.recenter(key, value, step.start)
         layer.fill_prefix(key, value, step.start)
+        if _keep_dense_if_sensitive(step, query, key, value, scale, softcap):  # this forward too: dense
+            return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
+                                           softcap, sinks, is_causal, **kwargs)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
@@ -87,6 +92,21 @@ def turboquant_attention_forward(
         **_exact_overlays(layer),
     )
     return out.transpose(1, 2), None
+
+
+def _keep_dense_if_sensitive(step: LayerStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             scale: float, softcap: float | None) -> bool:
+    """The first prefill's per-layer check (TurboQuantConfig.dense_layer_kl): a layer whose attention moves
+    too far under quantized keys keeps its K/V dense from now on. True when it did. One host read, at prefill."""
+    layer = step.layer
+    threshold = layer.layout.config.dense_layer_kl
+    if threshold is None or step.start != 0 or torch.compiler.is_compiling():
+        return False
+    kl = key_quantization_kl(query, key, layer.layout.config, scale, layer.key_offset, layer.kv_start, softcap)
+    if kl <= threshold:
+        return False
+    layer.keep_dense(key, value)
+    return True
 
 
 def _check_query(query: torch.Tensor, layer) -> None:

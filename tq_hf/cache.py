@@ -30,6 +30,7 @@ Prefill stays eager, where the padding, the key-centering means and the exact pr
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +96,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.layout = layout  # num_kv_heads may shrink to a tensor-parallel shard at lazy_initialization
         self.config_kv_heads = layout.num_kv_heads
         self.max_cache_tokens = max_cache_tokens
+        self.replace_with_dense = None  # set by the owning TurboQuantCache: (key, value) -> None
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
         self._drop_buffers()
@@ -395,6 +397,13 @@ class TurboQuantLayer(CacheLayerMixin):
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
             self._prefix_open = self.length < self.prefix_fill_until
 
+    def keep_dense(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Hand this layer's slot in its cache to an uncompressed layer holding the given K/V (the whole
+        history: called at the first prefill, by the attention's per-layer check)."""
+        if self.replace_with_dense is None:
+            raise RuntimeError("this TurboQuantLayer belongs to no TurboQuantCache")
+        self.replace_with_dense(key_states, value_states)
+
     def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Once this forward's mask has told where each row's padding ends (set_padding), take the
         key_centering means over the real tokens only and store the update's tokens again with them.
@@ -654,7 +663,7 @@ class TurboQuantCache(Cache):
             raise ValueError(f"max_cache_tokens must be a positive int or None, got {max_cache_tokens!r}")
         if max_cache_len is not None and (type(max_cache_len) is not int or max_cache_len < 1):
             raise ValueError(f"max_cache_len must be a positive int (tokens per row) or None, got {max_cache_len!r}")
-        self.max_cache_len = max_cache_len
+        self.fixed_capacity = max_cache_len  # not max_cache_len: a read-only Cache property on transformers 5.17
         self.config = config
         self.tq_config = tq_config
         check_supported(config)
@@ -674,8 +683,19 @@ class TurboQuantCache(Cache):
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
+        self.dense_by_check: list[int] = []  # layers the first prefill's check kept dense (dense_layer_kl)
+        for i, layer in enumerate(layers):
+            if isinstance(layer, TurboQuantLayer):
+                layer.replace_with_dense = functools.partial(self._keep_dense, i)
         if not any(isinstance(layer, TurboQuantLayer) for layer in layers):
             logger.warning_once(f"{self.nothing_compressed()}; it saves no memory over a DynamicCache")
+
+    def _keep_dense(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Layer `layer_idx` from now on: transformers' own uncompressed layer, holding key/value (its history)."""
+        layer = _exact_layer(self.fixed_capacity, None)
+        layer.update(key_states, value_states)  # from position 0, the Dynamic- and StaticLayer alike
+        self.layers[layer_idx] = layer
+        self.dense_by_check.append(layer_idx)
 
     def nothing_compressed(self) -> str:
         """Why no layer of this cache is compressed ("" when some are)."""
@@ -752,8 +772,9 @@ class TurboQuantCache(Cache):
             return f"{self.nothing_compressed()}; {used / 2**20:.2f} MiB allocated ({ratio} of fp16)"
         layers = [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
         pool, side = sum(l.pool_bytes() for l in layers), sum(l.exact_side_bytes() for l in layers)
+        checked = f" ({len(self.dense_by_check)} kept dense by the first prefill's check)" if self.dense_by_check else ""
         return (
-            f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed, "
+            f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed{checked}, "
             f"{self.get_seq_length()} tokens/row, {used / 2**20:.2f} MiB allocated vs {fp16 / 2**20:.2f} MiB fp16 "
             f"({ratio}): compressed pool {pool / 2**20:.2f} MiB + exact prefix/ring {side / 2**20:.2f} MiB "
             f"(a constant {cfg.exact_prefix_tokens + cfg.recent_window} tokens per row and layer)"

@@ -31,11 +31,11 @@ METADATA_FIELDS = ("key_scale", "value_scale", "value_mid")
 METADATA_FIELD_BYTES = 2
 
 # The fidelity levers' defaults (value rotation, 4 exact leading tokens, a 128-token exact ring,
-# per-row key centering for codebook keys, no full-precision layers) were chosen by measurement
-# (docs/performance.md, eval/results/levers/). FP8 keys (k8v4) keep centering off: that preset was
-# measured without it (+0.04% on SmolLM2).
+# per-row key centering, no full-precision layers, the first prefill's per-layer check) were chosen
+# by measurement (docs/performance.md, eval/results/levers/). FP8 keys center too: without it the
+# k_proj biases of Qwen2.5 move two layers' attention by 0.55 and 0.91 nats (0.014 at most with it).
 PRESETS: dict[str, dict[str, int | bool]] = {
-    "k8v4": {"key_bits": 8, "value_bits": 4, "key_centering": False},
+    "k8v4": {"key_bits": 8, "value_bits": 4},
     "4bit": {"key_bits": 4, "value_bits": 4},
     "k3v4": {"key_bits": 3, "value_bits": 4},
     "3bit": {"key_bits": 3, "value_bits": 3},
@@ -88,6 +88,11 @@ class TurboQuantConfig:
     prefill_attention: "exact" lets a first prefill attend over the prompt's own keys and
         values (they are compressed into the cache all the same); "compressed" makes it read
         the compressed cache, as decode always does.
+    dense_layer_kl: at a layer's first prefill the attention measures how far quantized keys move
+        its attention (tq_hf.sensitivity: the KL of the prompt's last queries, in nats); a layer
+        above this keeps its K/V dense from then on, for the cache's lifetime. Most layers of most
+        models stay below 0.1; Qwen2.5's first layer reaches 4-18 (its keys' norm is ~15x the
+        others'). None: no check.
     seed: seeds the rotation.
     """
 
@@ -103,6 +108,7 @@ class TurboQuantConfig:
     recent_window: int = 128
     sliding_layers: str = "auto"
     prefill_attention: str = "exact"
+    dense_layer_kl: float | None = 0.5
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -128,6 +134,9 @@ class TurboQuantConfig:
             )
         if not (type(self.recent_window) is int and 0 <= self.recent_window <= MAX_RECENT_WINDOW):
             raise ValueError(f"recent_window must be an int from 0 to {MAX_RECENT_WINDOW}, got {self.recent_window!r}")
+        kl = self.dense_layer_kl
+        if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not kl > 0):
+            raise ValueError(f"dense_layer_kl must be a positive number of nats or None (no check), got {kl!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
