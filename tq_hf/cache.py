@@ -804,13 +804,28 @@ def _rows_held(layer) -> int | None:
     return layer.keys.shape[0] if layer.get_seq_length() else None
 
 
+class _CroppableStaticLayer(StaticLayer):
+    """transformers' StaticLayer with the crop of 5.18+ (5.17's has none: assisted decoding crops)."""
+
+    is_croppable = True
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise RuntimeError("Static layers can only be cropped by passing a negative int, to specify how many "
+                               "tokens to remove")
+        self.cumulative_length.sub_(abs(tokens_to_remove))  # in place: a static address
+
+
+_STATIC_LAYER = StaticLayer if hasattr(StaticLayer, "crop") else _CroppableStaticLayer
+
+
 def _exact_layer(max_cache_len: int | None, sliding_window: int | None) -> CacheLayerMixin:
     """An uncompressed layer (full_precision_layers, or a sliding-window layer kept exact): transformers' own,
     static when the cache has a fixed capacity."""
     if max_cache_len is None:
         return DynamicLayer() if sliding_window is None else DynamicSlidingWindowLayer(sliding_window=sliding_window)
     if sliding_window is None:
-        return StaticLayer(max_cache_len=max_cache_len)
+        return _STATIC_LAYER(max_cache_len=max_cache_len)
     return StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=sliding_window)
 
 
