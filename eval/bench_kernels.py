@@ -257,7 +257,7 @@ def bench_store_step(args, flush, results):
 def bench_tune(args, flush, results):
     """Sweep launch parameters of the decode kernel at the target shapes (B=16/1, S=32k, 32/8/128)."""
     from tq_hf.config import TurboQuantConfig
-    from tq_hf.kernels import unified_attention
+    from tq_hf.kernels import LaunchConfig, unified_attention
     from tq_hf.layout import BlockLayout
 
     hq, hk, d, s = 32, 8, 128, 32768
@@ -275,7 +275,8 @@ def bench_tune(args, flush, results):
                             tun = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
                             try:
                                 ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=s,
-                                                                       out=out, num_splits=splits, tuning=tun),
+                                                                       out=out, num_splits=splits,
+                                                                       launch=LaunchConfig(**tun)),
                                              20, True, flush)
                             except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
                                 print(f"tune B={b} {preset} splits={splits} {tun}: failed {type(exc).__name__}", flush=True)
@@ -294,7 +295,7 @@ def bench_tune(args, flush, results):
                                             (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]:
         tun = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         try:
-            ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, out=out, tuning=tun), 5, False, flush)
+            ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, out=out, launch=LaunchConfig(**tun)), 5, False, flush)
         except Exception as exc:  # noqa: BLE001
             print(f"tune prefill {tun}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue

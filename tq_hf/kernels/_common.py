@@ -16,7 +16,6 @@ from ..layout import BlockLayout
 from ..reference import key_codec, value_rotation_matrix
 
 BF16_MAX_F32 = 3.3895313892515355e38  # torch.finfo(torch.bfloat16).max, exactly representable in fp32
-ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # ---- jitted rounding helpers -----------------------------------------------------------------
@@ -138,12 +137,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def tuned_for_gpu(device: torch.device) -> bool:
-    """Launch heuristics for a real GPU (the interpreter gets small tiles). Each launcher module
-    imports it as `_tuned_for_gpu`, which tests patch there to take a GPU's choices on the CPU."""
-    return device.type == "cuda"
-
-
 @functools.lru_cache(maxsize=None)
 def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, ...]:
     """(rotation [D, D] fp32, centroids [2**bits] fp32 by level (ascending), boundaries [2**bits - 1]
@@ -167,43 +160,6 @@ def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
     if rot is None:
         return torch.ones(1, dtype=torch.float32, device=device)
     return rot.float().contiguous()
-
-
-def check_key_offset(key_offset, layout: BlockLayout, device, rows: int | None = None) -> tuple[torch.Tensor | None, int]:
-    """(the key_centering mean as contiguous fp32, its row stride): [H, D] shared (stride 0) or
-    [R, H, D] per row (stride H * D). `rows`, when given, is the R a per-row mean must have."""
-    if key_offset is None:
-        return None, 0
-    check_tensor("key_offset", key_offset, dtypes=ACTIVATION_DTYPES, device=device)
-    heads, dim = layout.num_kv_heads, layout.head_dim
-    shared = tuple(key_offset.shape) == (heads, dim)
-    per_row = key_offset.dim() == 3 and tuple(key_offset.shape[1:]) == (heads, dim) and key_offset.shape[0] > 0
-    if per_row and rows is not None and key_offset.shape[0] != rows:
-        per_row = False
-    if not (shared or per_row):
-        want = f"[{heads}, {dim}] (one mean per KV head) or [{rows if rows is not None else 'rows'}, {heads}, {dim}] (per row)"
-        raise ValueError(f"key_offset must be {want}, got {list(key_offset.shape)}")
-    return key_offset.float().contiguous(), 0 if shared else heads * dim
-
-
-def check_tensor(name: str, t, *, dim: int | None = None, dtypes=None, device=None) -> None:
-    """Raise TypeError/ValueError naming `name` when t is not a tensor of the expected kind."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name} must have {dim} dimensions, got shape {list(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device}, but the pool is on {device}")
-
-
-def check_layout_pool(pool: torch.Tensor, layout: BlockLayout) -> None:
-    if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be a tq_hf.layout.BlockLayout, got {type(layout).__name__}")
-    check_tensor("pool", pool)
-    layout.check_pool(pool)
 
 
 @triton.jit

@@ -2,12 +2,11 @@
 
 Why: `tl.gather` of the centroids is not elementwise for Triton, so the decode kernel unpacked
 the key tile in a blocked layout (a warp shuffle per code) and staged it through shared memory
-as fp16 before the MMA read it back (Nsight Compute, eval/results/gpu_checks/session3/: 255
+as fp16 before the MMA read it back (Nsight Compute: 255
 registers, 102 KB of shared memory, 12.5% occupancy, issue-bound). Triton moves a *unary, pure*
 inline asm past the layout conversion into the MMA's operand layout (as it does for the values'
 nibble arithmetic), so with this lookup the codes are decoded where the MMA reads them and no
-fp16 key tile touches shared memory (45 KB per program; the H200 sweep in
-eval/results/decode_lookups/: 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
+fp16 key tile touches shared memory (45 KB per program; H200 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
 
 The Lloyd-Max codebook of the (symmetric) rotated-coordinate distribution is symmetric:
 c[15 - n] == -c[n], also after rounding to fp16 (checked here, else `config_lut_words` returns
