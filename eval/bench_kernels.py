@@ -169,6 +169,7 @@ def bench_prefill(args, flush, results):
     compressed: store_kv, then unified_attention reads the compressed cache.
     """
     from tq_hf.kernels import store_kv, unified_attention
+    from tq_hf.kernels import StoreLaunchConfig
     from tq_hf.layout import BlockLayout
 
     hq, hk, d = 32, 8, 128
@@ -219,7 +220,8 @@ def bench_prefill(args, flush, results):
                     for warps in (4, 8):
                         tun = {"block_t": block_t, "num_warps": warps}
                         try:
-                            ms = time_ms(lambda: store_kv(pool, layout, kt, vt, slots, tuning=tun), reps, False, flush)
+                            ms = time_ms(lambda: store_kv(pool, layout, kt, vt, slots, launch=StoreLaunchConfig(**tun)), reps,
+                                         False, flush)
                         except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
                             print(f"store sweep S={s} {preset} {tun}: failed {type(exc).__name__}", flush=True)
                             continue

@@ -427,13 +427,13 @@ def test_gpu_decode_split_counts(preset, batch, splits):
     table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
     q = torch.randn(batch, 32, 1, 128, dtype=torch.float16)
     seen = _gpu_launch(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
-                      max_seq_len=32768)
+                       max_seq_len=32768)
     assert seen["GRID"] == (splits, 4 if preset == "4bit" else 8, batch) and seen["SPLIT"] == (splits > 1)
     assert seen["num_warps"] == 4
     if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits (gpu_checks/session15)
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
         seen = _gpu_launch(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
-                          max_seq_len=32768, key_offset=torch.zeros(8, 128))
+                           max_seq_len=32768, key_offset=torch.zeros(8, 128))
         assert seen["GRID"] == (16, 4, batch) and seen["num_warps"] == 4
 
 
@@ -465,7 +465,7 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     # two KV heads per program: 4-bit lookup decode (any batch; the levers too, below)
     head_pairs = lookup and preset == "4bit" and head_dim == 128
-    assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
+    assert (seen["HEADS_PER_PROGRAM"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
     assert seen["num_warps"] == 4, seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
     key_words = head_pairs or (lookup and preset == "4bit" and (batch >= 16 or head_dim == 64))  # measured there
@@ -496,10 +496,10 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
         opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
         seen = _gpu_launch(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          key_offset=torch.zeros(batch, 8, head_dim))
+                           key_offset=torch.zeros(batch, 8, head_dim))
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (
             True, True, head_pairs, 3 if head_pairs else 2), seen
-        assert (seen["KEY_WORDS"], seen["HP"]) == (key_words, 2 if head_pairs else 1), seen
+        assert (seen["KEY_WORDS"], seen["HEADS_PER_PROGRAM"]) == (key_words, 2 if head_pairs else 1), seen
         assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped (session15/call6)
     if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words) at
         # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers (gpu_checks/session16/call5)
@@ -507,14 +507,14 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
         seen = _gpu_launch(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk, prefix_values=pk)
-        assert (seen["KEY_WORDS"], seen["HP"], seen["EXACT_16"]) == (True, 2 if head_dim == 128 else 1, False), seen
+                           prefix_keys=pk, prefix_values=pk)
+        assert (seen["KEY_WORDS"], seen["HEADS_PER_PROGRAM"], seen["EXACT_16"]) == (True, 2 if head_dim == 128 else 1, False), seen
         assert head_dim == 128 or (seen["BLOCK_N"], seen["maxnreg"]) == (256, 168), seen  # fp32 query: 3 tf32 passes
         seen = _gpu_launch(q.half(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk, prefix_values=pk)
+                           prefix_keys=pk, prefix_values=pk)
         assert seen["EXACT_16"] is True, seen  # the query's and the buffers' dtype: 16-bit dots
         seen = _gpu_launch(q.bfloat16(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk.bfloat16(), prefix_values=pk.bfloat16())
+                           prefix_keys=pk.bfloat16(), prefix_values=pk.bfloat16())
         assert seen["EXACT_16"] is True, seen  # bf16 too on a GPU (the interpreter's bf16 dots are broken)
     seen = _gpu_launch(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, launch=LaunchConfig(key_lut=False))
     assert seen["KEY_LUT"] is False
@@ -534,18 +534,18 @@ def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
     elif exact == "recent":
         kw["recent_keys"], kw["recent_values"] = recent_ring(layout, batch, 16, torch.float32, "cpu")
     seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
-                      max_seq_len=32768, **kw)
-    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (128, None if exact else 168, 2), seen
+                       max_seq_len=32768, **kw)
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HEADS_PER_PROGRAM"]) == (128, None if exact else 168, 2), seen
     # S=32k: split decode; a batch that fills the GPU has no exact program (the last split walks the ring: its tiles
     # shared out over the splits measured slower, gpu_checks/session16/call2)
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
     seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, long_table, torch.full((batch,), 32768), 0.1,
-                      max_seq_len=32768, **kw)
+                       max_seq_len=32768, **kw)
     assert (seen["SPLIT"], seen["EXACT_PROG"]) == (True, exact is not None and batch == 1), seen
     seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
-                      max_seq_len=32768, launch=LaunchConfig(head_pairs=1), **kw)  # one head: capped when the batch fills the GPU
+                       max_seq_len=32768, launch=LaunchConfig(head_pairs=1), **kw)  # one head: capped when the batch fills the GPU
     want = (128 if exact or batch == 16 else 256, 128 if batch == 16 else None, 1)  # plain B=1: 256-token tiles
-    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HEADS_PER_PROGRAM"]) == want, seen
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 16])
@@ -559,7 +559,7 @@ def test_gpu_fp8_keys_capped_with_the_levers(batch):
         pool, table = fill_cache(layout, [64] * batch, "cpu")
         kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu"))) if levers else {}
         seen = _gpu_launch(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
-                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == 128, (levers, seen)
     # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles up to 2 x 8
     # KV heads (at 4 x 8 slower, gpu_checks/session16/call8)
@@ -568,8 +568,8 @@ def test_gpu_fp8_keys_capped_with_the_levers(batch):
     ring = recent_ring(layout, batch, 128, torch.float16, "cpu")
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
     seen = _gpu_launch(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, long_table,
-                      torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
-    assert (seen["EXACT_PROG"], seen["RN"]) == (batch < 16, 16 if batch <= 2 else 32), seen
+                       torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
+    assert (seen["EXACT_PROG"], seen["RING_TILE"]) == (batch < 16, 16 if batch <= 2 else 32), seen
 
 
 @pytest.mark.parametrize("batch", [1, 16, 48])
@@ -587,11 +587,11 @@ def test_gpu_head_dim_64_decode_choices(preset, batch):
             kw.update(zip(("recent_keys", "recent_values"), recent_ring(layout, batch, 128, torch.float16, "cpu")),
                       recent_from=0, key_offset=torch.zeros(batch, 3, 64))
         seen = _gpu_launch(torch.randn(batch, 9, 1, 64, dtype=torch.float16), pool, layout, table,
-                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         words = preset == "4bit"
         want = (words, words, 256 if words else 128, 168 if words else (128 if levers and batch < 48 else None),
                 batch < 48, 1)
-        got = (seen["KEY_LUT"], seen["KEY_WORDS"], seen["BLOCK_N"], seen.get("maxnreg"), seen["META_PAIRS"], seen["HP"])
+        got = (seen["KEY_LUT"], seen["KEY_WORDS"], seen["BLOCK_N"], seen.get("maxnreg"), seen["META_PAIRS"], seen["HEADS_PER_PROGRAM"])
         assert got == want, (levers, seen)
 
 
@@ -604,7 +604,7 @@ def test_gpu_value_planes_in_64_row_tiles():
     assert seen["VALUE_PLANES"] is True and seen["BLOCK_M"] == 64, seen
     with pytest.raises(ValueError, match="value_words=True needs 4-bit values, got 3-bit"):
         _gpu_launch(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                          launch=LaunchConfig(value_words=True))
+                    launch=LaunchConfig(value_words=True))
 
 
 @pytest.mark.parametrize("preset,q_len,hadamard", [
@@ -631,7 +631,7 @@ def test_gpu_three_bit_register_caps(options, maxnreg):
     pool, table = fill_cache(layout, [64] * 16, "cpu")
     kw = {"key_offset": torch.zeros(8, 128)} if options else {}
     seen = _gpu_launch(torch.randn(16, 32, 1, 128), pool, layout, table, torch.full((16,), 65), 0.1,
-                      max_seq_len=32768, **kw)
+                       max_seq_len=32768, **kw)
     assert seen.get("maxnreg") == maxnreg, seen
 
 
@@ -642,9 +642,9 @@ def test_gpu_value_words_refused_where_unverified():
     pool, table = fill_cache(layout, [40], "cpu")
     with pytest.raises(ValueError, match="value_words=True needs row tiles of <= 32 rows"):
         _gpu_launch(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                          launch=LaunchConfig(value_words=True))
+                    launch=LaunchConfig(value_words=True))
     seen = _gpu_launch(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                      launch=LaunchConfig(value_words=True))
+                       launch=LaunchConfig(value_words=True))
     assert seen["VALUE_WORDS"] is True
 
 
@@ -851,8 +851,8 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
     class FakeKernel:
         def __getitem__(self, grid):
             def launch(*args, BLOCK_N, num_stages, **constants):
-                launches.append((BLOCK_N, num_stages, constants.get("RN")))
-                if BLOCK_N > 32 or constants.get("RN", 0) > 16:
+                launches.append((BLOCK_N, num_stages, constants.get("RING_TILE")))
+                if BLOCK_N > 32 or constants.get("RING_TILE", 0) > 16:
                     raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
             return launch
 
@@ -869,7 +869,7 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
         launch.launch_fitting(kernel, (1, 1, 1), (), {"D": 256}, 512, 2)
     assert launches == [(512, 2, None), (512, 1, None), (256, 1, None), (128, 1, None)]
     launches.clear()
-    ring = {"D": 128, "HAS_RECENT": True, "RN": 64}  # the ring tile shrinks after the KV tiles
+    ring = {"D": 128, "HAS_RECENT": True, "RING_TILE": 64}  # the ring tile shrinks after the KV tiles
     launch.launch_fitting(kernel, (1, 1, 1), (), ring, 64, 2)
     tiles = [(64, 2), (64, 1), (32, 1), (16, 1)]
     assert launches == [(bn, st, rn) for rn in (64, 32) for bn, st in tiles] + [(64, 2, 16), (64, 1, 16), (32, 1, 16)]

@@ -120,7 +120,7 @@ def test_gpu_warp_decode_choice(batch, heads, length, splits):
         return
     assert plan.kernel is decode_warps._warp_kernel
     assert plan.grid == (splits, heads // 2, batch)
-    assert (seen["num_warps"], plan.block_n, plan.num_stages, seen["NR"], seen["PTX"]) == (1, 32, 3, 8, True)
+    assert (seen["num_warps"], plan.block_n, plan.num_stages, seen["QUERY_COLS"], seen["PTX"]) == (1, 32, 3, 8, True)
     assert "maxnreg" not in seen and seen["LUT"]
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import BlockLayout
-from ._common import codec_tensors, next_pow2, value_rotation_tensor
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
+from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
 from .fast_launch import PlanCache, argument_key, device_of, value_key
 from .launch import launch_fitting

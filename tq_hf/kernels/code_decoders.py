@@ -96,19 +96,19 @@ def value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, GP: tl.constexpr, NG: tl.constexpr):
-    """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * GP] of the rows at byte
+def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, CODE_GROUPS: tl.constexpr, REAL_GROUPS: tl.constexpr):
+    """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * CODE_GROUPS] of the rows at byte
     offsets row_off: each 3-byte group is loaded once (three strided byte loads), joined into
     a 24-bit word and split into its 8 codes (code 8g + p at bits 3p of group g)."""
-    g = tl.arange(0, GP)
+    g = tl.arange(0, CODE_GROUPS)
     ptr = pool_ptr + (plane[:, None] + row_off[:, None] + 3 * g[None, :])
-    m = tok_ok[:, None] & (g[None, :] < NG)
+    m = tok_ok[:, None] & (g[None, :] < REAL_GROUPS)
     b0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
     b1 = tl.load(ptr + 1, mask=m, other=0).to(tl.int32)
     b2 = tl.load(ptr + 2, mask=m, other=0).to(tl.int32)
     word = b0 | (b1 << 8) | (b2 << 16)
     codes = (word[:, :, None] >> (3 * tl.arange(0, 8))[None, None, :]) & 7
-    return tl.reshape(codes, (BLOCK_N, GP * 8))
+    return tl.reshape(codes, (BLOCK_N, CODE_GROUPS * 8))
 
 
 @triton.jit

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 
 from ..layout import BlockLayout
-from ._common import codec_tensors, hadamard_entries, hadamard_signs
 from .code_decoders import LUT_WORDS_CONSTRAINTS, value_word_nibbles
+from .codec_tensors import codec_tensors
 from .metadata import load_meta
+from .rotation import hadamard_entries, hadamard_signs
 from .softmax import add_pairs
 
 
@@ -43,11 +44,11 @@ def rotation_halves(layout: BlockLayout, device: str) -> torch.Tensor:
 
 
 @triton.jit
-def _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G: tl.constexpr, HP: tl.constexpr):
-    """Coordinates `coords` of the query rows of KV heads hp * HP .. + HP - 1 as fp32 [len(coords), NR] (column n:
-    head n % HP, row n // HP; zero past G * Lq rows)."""
-    r = nn // HP
-    qhead = (hp * HP + nn % HP) * G + r % G
+def _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr):
+    """Coordinates `coords` of the query rows of the program's KV heads (hp * H .. hp * H + H - 1, H =
+    HEADS_PER_PROGRAM) as fp32 [len(coords), QUERY_COLS] (column n: head n % H, row n // H; zero past G * Lq rows)."""
+    r = nn // HEADS_PER_PROGRAM
+    qhead = (hp * HEADS_PER_PROGRAM + nn % HEADS_PER_PROGRAM) * G + r % G
     return tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh
                    + (r // G).to(tl.int64)[None, :] * s_ql + coords[:, None], mask=(r < G * Lq)[None, :],
                    other=0.0).to(tl.float32)
@@ -62,11 +63,12 @@ def _split_dot(m, x, acc):
 
 @triton.jit
 def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT: tl.constexpr,
-                   D: tl.constexpr, NR: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HADAMARD: tl.constexpr):
-    """The query rows of KV heads hp * HP .. + HP - 1, rotated (q @ R^T), as HP * 4 fp16 [1, D/4, NR] tiles: tile
-    4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's order) in the columns of head j
-    (column n: head n % HP, row n // HP), zero in the others; and each column's log2 score scale. The query is
-    scaled to its largest magnitude first, so any range fits fp16 (_split_dot).
+                   D: tl.constexpr, QUERY_COLS: tl.constexpr, G: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                   HADAMARD: tl.constexpr):
+    """The query rows of the program's H = HEADS_PER_PROGRAM KV heads, rotated (q @ R^T), as H * 4 fp16
+    [1, D/4, QUERY_COLS] tiles: tile 4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's
+    order) in the columns of head j (column n: head n % H, row n // H), zero in the others; and each column's log2
+    score scale. The query is scaled to its largest magnitude first, so any range fits fp16 (_split_dot).
     General R: its high and low fp16 parts (rotation_halves) meet the query's in three MMAs per tile (the low x low
     term is below fp32 rounding). HADAMARD (R = H diag(s) / sqrt(D), Sylvester H; R's first row gives s): as
     coordinate (c // 2) * D/2 + 2u + c % 2 of H's index splits into bits, H[(c, u), (a, v, e)] =
@@ -74,17 +76,17 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
     in registers) times a signed sum of the four quarters of s * q: no read of R, 8 small MMAs in all (every program
     reading the same 64 KiB of R from L2 at once had taken most of the prologue)."""
     rotated = ()
-    qmax = tl.zeros((NR,), tl.float32)
+    qmax = tl.zeros((QUERY_COLS,), tl.float32)
     if HADAMARD:
         U: tl.constexpr = D // 4
         quarters = ()
         for a in tl.static_range(2):
             for e in tl.static_range(2):
                 coords = a * (D // 2) + 2 * uu + e
-                quarters = quarters + (_query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G, HP)
+                quarters = quarters + (_query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G, HEADS_PER_PROGRAM)
                                        * hadamard_signs(rot_ptr, coords, D)[:, None],)
         sums = ()
-        q_big = tl.zeros((NR,), tl.float32)
+        q_big = tl.zeros((QUERY_COLS,), tl.float32)
         for c in tl.static_range(4):  # quarter (a, e) signed by (-1)^((c // 2) a + (c % 2) e)
             y = quarters[0]
             y = y - quarters[1] if c % 2 else y + quarters[1]
@@ -95,12 +97,12 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
         q_big = tl.where(q_big > 0, q_big, 1.0)
         h = hadamard_entries(uu, uu, uu < U)
         for c in tl.static_range(4):
-            q_c = _split_dot(h, sums[c] / q_big[None, :], tl.zeros((U, NR), tl.float32))
+            q_c = _split_dot(h, sums[c] / q_big[None, :], tl.zeros((U, QUERY_COLS), tl.float32))
             qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
             rotated = rotated + (q_c,)
     else:
         dd = tl.arange(0, D)
-        q = _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, dd, nn, G, HP)
+        q = _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, dd, nn, G, HEADS_PER_PROGRAM)
         q_big = tl.max(tl.abs(q), axis=0)
         q_big = tl.where(q_big > 0, q_big, 1.0)
         q = q / q_big[None, :]
@@ -113,13 +115,13 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
             rotated = rotated + (q_c,)
     qdiv = tl.where(qmax > 0, qmax, 1.0)
     tiles = ()
-    for j in tl.static_range(HP):
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         for c in tl.static_range(4):
-            tile = tl.where((nn % HP == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
-            # [1, D/4, NR] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
+            tile = tl.where((nn % HEADS_PER_PROGRAM == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
+            # [1, D/4, QUERY_COLS] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
             # before the walk; as a 2D operand the conversion (32 shuffles + 32 byte permutes) ran in every
             # iteration (offline sm_90a SASS: 1,163 -> 1,095 instructions per tile)
-            tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, NR)),)
+            tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, QUERY_COLS)),)
     unit = sm_scale * KEY_UNIT * 1.4426950408889634
     if HADAMARD:
         unit = unit / tl.sqrt(D * 1.0)
@@ -130,7 +132,7 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
 def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
                plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
                D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
-               BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
+               BLOCK_N: tl.constexpr, QUERY_COLS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, HALF: tl.constexpr, POOL64: tl.constexpr,
                MASKED: tl.constexpr):
     """One BLOCK_N-token tile [t0, t0 + BLOCK_N) of both heads: scores, online softmax, values. MASKED: the
     tile may reach past `end` or past a row's position (causal, Lq > 1); else every score is visible."""
@@ -140,16 +142,16 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
     else:
         ok = tl.full((BLOCK_N,), True, tl.int1)
     off = tok % T
-    if BIG:  # a pool of >= 2**31 bytes
+    if POOL64:  # a pool of >= 2**31 bytes
         base = blk.to(tl.int64) * block_bytes + head_off
     else:
         base = blk * block_bytes + head_off
-    col_head = (nn % HP)[None, :]  # the heads interleave in the columns: a function of the register, folded
-    s = tl.zeros((1, BLOCK_N, NR), tl.float32)
-    k_scale = tl.zeros((BLOCK_N, NR), tl.float32)
-    v_scale = tl.zeros((BLOCK_N, NR), tl.float32)
-    v_mid = tl.zeros((BLOCK_N, NR), tl.float32)
-    for j in tl.static_range(HP):
+    col_head = (nn % HEADS_PER_PROGRAM)[None, :]  # the heads interleave in the columns: a function of the register, folded
+    s = tl.zeros((1, BLOCK_N, QUERY_COLS), tl.float32)
+    k_scale = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    v_scale = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    v_mid = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         plane = base + j * plane_bytes
         kw = tl.load((pool_ptr + (plane + off * KB)[:, None]).to(tl.pointer_type(tl.uint16)) + uu[None, :],
                      mask=ok[:, None], other=0)  # [N, D/4] code words, the MMA's A operand
@@ -172,7 +174,7 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
         k_scale = tl.where(mine, load_meta(pool_ptr, plane, 0, off, T, META, ok, True)[:, None], k_scale)
         v_scale = tl.where(mine, load_meta(pool_ptr, plane, 1, off, T, META, ok, True)[:, None], v_scale)
         v_mid = tl.where(mine, load_meta(pool_ptr, plane, 2, off, T, META, ok, True)[:, None], v_mid)
-    x = tl.reshape(s, (BLOCK_N, NR)) * k_scale
+    x = tl.reshape(s, (BLOCK_N, QUERY_COLS)) * k_scale
     if MASKED:
         x = tl.where(ok[:, None] & (tok[:, None] <= qpos[None, :]), x, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(x, axis=0) * rsc)
@@ -187,7 +189,7 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
     t1 = tl.zeros(a1.shape, tl.float32)
     t2 = tl.zeros(a2.shape, tl.float32)
     t3 = tl.zeros(a3.shape, tl.float32)
-    for j in tl.static_range(HP):
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         plane = base + j * plane_bytes
         vw = tl.load((pool_ptr + (plane + T * KB + off * VB)[None, :]).to(tl.pointer_type(tl.uint16)) + uu[:, None],
                      mask=ok[None, :], other=0)  # [D/4, N] value words, the MMA's A operand
@@ -212,14 +214,14 @@ def _warp_kernel(
     rot_ptr,  # [2, D, D] fp16: R's high and low parts (rotation_halves)
     cent_ptr,  # [16] fp32 centroids by stored code (the interpreter's gathers)
     koff_ptr, s_koff, vrot_ptr,
-    pout_ptr,  # [B, Hk, NS, RHO, DP] fp32 split partial outputs
-    plse_ptr,  # [B, Hk, NS, RHO] fp32 split log2-sum-exp
+    pout_ptr,  # [B, Hk, NS, ROWS_PER_HEAD, DP] fp32 split partial outputs
+    plse_ptr,  # [B, Hk, NS, ROWS_PER_HEAD] fp32 split log2-sum-exp
     pk_ptr, s_pkb, s_pkh, s_pkp, pv_ptr, s_pvb, s_pvh, s_pvp, prefix_len,
     rk_ptr, s_rkb, s_rkh, s_rkp, rv_ptr, s_rvb, s_rvh, s_rvp, recent_size, recent_from,
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
-    G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
-    BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
+    G: tl.constexpr, QUERY_COLS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, ROWS_PER_HEAD: tl.constexpr,  # ROWS_PER_HEAD: partial rows per KV head
+    BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, POOL64: tl.constexpr,
     HALF: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -236,22 +238,22 @@ def _warp_kernel(
     body_end = start + tl.maximum(tl.minimum(end, seq_len - Lq + 1) - start, 0) // BLOCK_N * BLOCK_N
     ii = tl.arange(0, BLOCK_N)
     uu = tl.arange(0, U)
-    nn = tl.arange(0, NR)
-    r = nn // HP
+    nn = tl.arange(0, QUERY_COLS)
+    r = nn // HEADS_PER_PROGRAM
     qpos = seq_len - Lq + r // G
-    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP,
+    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, QUERY_COLS, G, HEADS_PER_PROGRAM,
                              HADAMARD)
 
-    m_i = tl.full((NR,), -float("inf"), tl.float32)
-    l_i = tl.zeros((NR,), tl.float32)
-    bias = tl.zeros((NR,), tl.float32)
+    m_i = tl.full((QUERY_COLS,), -float("inf"), tl.float32)
+    l_i = tl.zeros((QUERY_COLS,), tl.float32)
+    bias = tl.zeros((QUERY_COLS,), tl.float32)
     # accumulator c holds coordinate (c % 2) * D/2 + 2u + c // 2 of word u (value_word_nibbles' order), in the codes'
     # fp16 scale (x 2**-24, odd c x 2**-20)
-    a0 = tl.zeros((U, NR), tl.float32)
-    a1 = tl.zeros((U, NR), tl.float32)
-    a2 = tl.zeros((U, NR), tl.float32)
-    a3 = tl.zeros((U, NR), tl.float32)
-    head_off = hp * HP * plane_bytes
+    a0 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a1 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a2 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a3 = tl.zeros((U, QUERY_COLS), tl.float32)
+    head_off = hp * HEADS_PER_PROGRAM * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk's block-table entries an iteration ahead, so the codes' loads are direct (prefetched a tile ahead)
     blk_n = tl.load(bt_row + (start + ii) // T, mask=start + ii < body_end, other=0)
@@ -260,19 +262,19 @@ def _warp_kernel(
         blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, QUERY_COLS, HEADS_PER_PROGRAM, HALF, POOL64, False)
     for t0 in range(body_end, end, BLOCK_N):
         blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, QUERY_COLS, HEADS_PER_PROGRAM, HALF, POOL64, True)
 
     # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = (bias * inv_l)[None, :]
     row_ok = r < G * Lq
-    prow = ((b * (npairs * HP) + hp * HP + nn % HP) * num_splits + split) * RHO + r
+    prow = ((b * (npairs * HEADS_PER_PROGRAM) + hp * HEADS_PER_PROGRAM + nn % HEADS_PER_PROGRAM) * num_splits + split) * ROWS_PER_HEAD + r
     tl.store(plse_ptr + prow, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf")), mask=row_ok)
     dst = pout_ptr + prow.to(tl.int64)[None, :] * DP
     om = row_ok[None, :]

@@ -9,7 +9,7 @@ import triton.runtime.errors
 
 from .fast_launch import LaunchSite
 
-# (kernel, constants, block_n, num_stages) -> the (block_n, num_stages, RN) that fits this GPU's shared memory
+# (kernel, constants, block_n, num_stages) -> the (block_n, num_stages, RING_TILE) that fits this GPU's shared memory
 _FITTED: dict[tuple, tuple[int, int, int | None]] = {}
 
 
@@ -31,10 +31,10 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict, block_n: i
     anything is enqueued, so a retry is safe, also under CUDA-graph capture; the variant that fits
     is remembered, so later calls launch once. Returns the launch site of the variant that ran."""
     key = (kernel, tuple(constants.items()), block_n, num_stages)  # one dict literal: a fixed order
-    ring_n = constants["RN"] if constants.get("HAS_RECENT") else None
+    ring_n = constants["RING_TILE"] if constants.get("HAS_RECENT") else None
     tries = [_FITTED[key]] if key in _FITTED else step_downs(block_n, num_stages, ring_n)
     for i, (bn, stages, rn) in enumerate(tries):
-        variant = dict(constants if rn is None else {**constants, "RN": rn}, BLOCK_N=bn, num_stages=stages)
+        variant = dict(constants if rn is None else {**constants, "RING_TILE": rn}, BLOCK_N=bn, num_stages=stages)
         try:
             compiled = kernel[grid](*args, **variant)
         except triton.runtime.errors.OutOfResources:

@@ -1,4 +1,4 @@
-"""Overrides of unified_attention's launch heuristics, for benchmarks and tests: one typed, validated value.
+"""Overrides of the launchers' heuristics, for benchmarks and tests: typed, validated values.
 
 Every field defaults to None: the launcher's heuristic decides. Setting any field other than warp_split keeps
 the unified kernel (the overrides are its variants), unless warp_split=True asks for decode_warps' kernel.
@@ -73,9 +73,26 @@ def _pow2_from(low: int):
     return lambda v: v >= low and v & (v - 1) == 0
 
 
-def _check_choice(name: str, value, supported: str, ok) -> None:
+def _check_choice(name: str, value, supported: str, ok, owner: str = "LaunchConfig") -> None:
     if value is not None and not ok(value):
-        raise ValueError(f"LaunchConfig.{name} must be {supported}, got {value!r}")
+        raise ValueError(f"{owner}.{name} must be {supported}, got {value!r}")
 
 
 DEFAULT = LaunchConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLaunchConfig:
+    """Overrides of store_kv's launch heuristics, for benchmarks: block_t (tokens per program, a power of two
+    >= 16) and num_warps; None: the heuristic's."""
+
+    block_t: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_t", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                raise TypeError(f"StoreLaunchConfig.{name} must be an int or None, got {value!r}")
+        _check_choice("block_t", self.block_t, "a power of two >= 16", _pow2_from(16), "StoreLaunchConfig")
+        _check_choice("num_warps", self.num_warps, "1, 2, 4, 8 or 16", WARPS.__contains__, "StoreLaunchConfig")

@@ -24,11 +24,11 @@ def load_meta(pool_ptr, plane, field: tl.constexpr, off, T: tl.constexpr, META: 
 
 @triton.jit
 def heads_meta(pool_ptr, plane, plane_bytes, field: tl.constexpr, off, T: tl.constexpr, META: tl.constexpr, mask,
-                WORDS: tl.constexpr, sub, HP: tl.constexpr):
-    """load_meta of HP KV heads (each one's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
+                WORDS: tl.constexpr, sub, HEADS_PER_PROGRAM: tl.constexpr):
+    """load_meta of HEADS_PER_PROGRAM KV heads (each one's planes plane_bytes on) as [rows, N]: each row its head's field (sub:
     the row's head; the selection is a function of the register, so it folds)."""
     out = load_meta(pool_ptr, plane, field, off, T, META, mask, WORDS)[None, :]
-    for j in tl.static_range(1, HP):
+    for j in tl.static_range(1, HEADS_PER_PROGRAM):
         out = tl.where(sub[:, None] == j, load_meta(pool_ptr, plane + j * plane_bytes, field, off, T, META, mask,
                                                      WORDS)[None, :], out)
     return out

@@ -32,11 +32,11 @@ def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
 
 
 @triton.jit
-def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HP: tl.constexpr, PREC: tl.constexpr):
-    """acc + p . (columns `cols` of the exact values), each of the HP heads' values (s_vh apart) with
+def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HEADS_PER_PROGRAM: tl.constexpr, PREC: tl.constexpr):
+    """acc + p . (columns `cols` of the exact values), each of the HEADS_PER_PROGRAM heads' values (s_vh apart) with
     only its own rows of p; PREC: the dots' input_precision."""
-    for j in tl.static_range(HP):
-        if HP == 1:
+    for j in tl.static_range(HEADS_PER_PROGRAM):
+        if HEADS_PER_PROGRAM == 1:
             p_j = p
         else:
             p_j = tl.where(sub[:, None] == j, p, 0.0)
@@ -46,7 +46,7 @@ def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HP: tl
 
 @triton.jit
 def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_kh, s_k, v_base, s_vh, s_v, rows, pos,
-                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HP: tl.constexpr, EXACT_16: tl.constexpr, D: tl.constexpr,
+                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HEADS_PER_PROGRAM: tl.constexpr, EXACT_16: tl.constexpr, D: tl.constexpr,
                 VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
                 PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
@@ -56,14 +56,14 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
     the codes' fp16), or, under value_rotation, acc_x: an accumulator in the original space that the
     epilogue adds after rotating the codes' part back
     (rotating exact values by Rv^T in here doubled the kernel's shared memory: 204,800 B, sm_90a).
-    HP KV heads (buffers s_kh / s_vh apart): each head's dots see only its rows (sub), one softmax.
+    HEADS_PER_PROGRAM KV heads (buffers s_kh / s_vh apart): each head's dots see only its rows (sub), one softmax.
     EXACT_16: the query and buffers share a 16-bit dtype: the scores by that dtype's MMA (exact products,
     fp32 sums) and the values' dots in one tf32 pass (p rounded to 11 bits; the values are exact in tf32),
     instead of three tf32 passes each (offline sm_90a: fewer instructions and spills per ring tile)."""
     PREC: tl.constexpr = "tf32" if EXACT_16 else "tf32x3"
     s = None
-    for j in tl.static_range(HP):
-        if HP == 1:
+    for j in tl.static_range(HEADS_PER_PROGRAM):
+        if HEADS_PER_PROGRAM == 1:
             q_j = q
         else:
             q_j = tl.where(sub[:, None] == j, q, 0.0)
@@ -83,7 +83,7 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
-        acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HP, PREC)
+        acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC)
     elif VALUE_BITS == 4 or VALUE_PLANES:
         v_ok = vcol < (D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2)
         # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x),
@@ -92,24 +92,24 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
         p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if PLANE_WORDS else
                                                               (1.0 if VALUE_PLANES else 16.0)))
         acc0 = _exact_values(p_lo, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+                             value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
         acc1 = _exact_values(p_hi, acc1 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+                             value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
         if VALUE_WORDS or PLANE_WORDS:
             acc2 = _exact_values(p_lo, acc2 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+                                 value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
             acc3 = _exact_values(p_hi, acc3 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HP, PREC)
+                                 value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
     else:
-        acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HP, PREC)
+        acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc
 
 
 @triton.jit
 def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
                bt_row, blk_pre, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale,
-               row_off, q_mu, hc, dc, vcol, HALF: tl.constexpr, V_N: tl.constexpr, HP: tl.constexpr,
-               D: tl.constexpr, GP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+               row_off, q_mu, hc, dc, vcol, HALF: tl.constexpr, VALUE_COLS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+               D: tl.constexpr, CODE_GROUPS: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
                META: tl.constexpr, KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
@@ -140,7 +140,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         if KEY_WORDS:  # 16-bit code words [D/4, N]: 4 dots over the coordinate sets of key_lut's word asm
             ww = tl.arange(0, D // 4)
             s = None
-            for j in tl.static_range(HP):  # HP KV heads: each dot's query rows are zero outside head j's rows
+            for j in tl.static_range(HEADS_PER_PROGRAM):  # HEADS_PER_PROGRAM KV heads: each dot's query rows are zero outside head j's rows
                 kw = tl.load((pool_ptr + (plane[None, :] + j * plane_bytes + off[None, :] * KB)).to(tl.pointer_type(tl.uint16))
                              + ww[:, None], mask=tok_ok[None, :] & (ww[:, None] < D // 4), other=0)
                 if KEY_LUT:
@@ -215,7 +215,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             s = gather_dots(s, qp[4], qp[5], p2, table)
             s = gather_dots(s, qp[6], qp[7], p67, table)
     elif KEY_BITS == 3:
-        kc = unpack3(pool_ptr, plane, off * KB, tok_ok, BLOCK_N, GP, D // 8)
+        kc = unpack3(pool_ptr, plane, off * KB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
         k = tl.gather(table, kc, 1)
         s = tl.dot(q16, tl.trans(k))
     else:
@@ -225,8 +225,8 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
     if META_PAIRS:
         k_scale, v_scale, v_mid = load_meta_pairs(t0, end, pool_first, bt_row, pool_ptr, block_bytes, head_off, T, META,
                                               BLOCK_N, HAS_KV_START, HAS_PREFIX, MASKED)
-    elif HP > 1:
-        k_scale = heads_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub, HP)
+    elif HEADS_PER_PROGRAM > 1:
+        k_scale = heads_meta(pool_ptr, plane, plane_bytes, 0, off, T, META, tok_ok, META_WORDS, sub, HEADS_PER_PROGRAM)
     else:
         k_scale = load_meta(pool_ptr, plane, 0, off, T, META, tok_ok, META_WORDS)
     if MASKED:
@@ -238,23 +238,23 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
     if not HAS_SOFTCAP:
         # log2 logits = row_scale * (s * k_scale) + q_mu: the per-row factor and offset enter the
         # row max and the exp2's FFMA instead of every score
-        x = tl.where(vis, s * (k_scale if HP > 1 else k_scale[None, :]), -float("inf"))
+        x = tl.where(vis, s * (k_scale if HEADS_PER_PROGRAM > 1 else k_scale[None, :]), -float("inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1) * row_scale + row_off)
         m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(x * row_scale[:, None] + (row_off - m_use)[:, None])
         alpha = tl.exp2(m_i - m_use)
         m_i = m_new
     else:
-        s = s * row_scale[:, None] * (k_scale if HP > 1 else k_scale[None, :])
+        s = s * row_scale[:, None] * (k_scale if HEADS_PER_PROGRAM > 1 else k_scale[None, :])
         if HAS_KEY_OFFSET:
             s = s + q_mu[:, None]
         s = log2_logits(s, softcap, HAS_SOFTCAP)
         p, alpha, m_i = softmax_p(tl.where(vis, s, -float("inf")), m_i)
 
     # online softmax sums; the values' rank-1 term p . bias rides along (one cross-warp reduction)
-    if HP > 1:
-        v_scale = heads_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub, HP)
-        v_mid = heads_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub, HP)
+    if HEADS_PER_PROGRAM > 1:
+        v_scale = heads_meta(pool_ptr, plane, plane_bytes, 1, off, T, META, tok_ok, META_WORDS, sub, HEADS_PER_PROGRAM)
+        v_mid = heads_meta(pool_ptr, plane, plane_bytes, 2, off, T, META, tok_ok, META_WORDS, sub, HEADS_PER_PROGRAM)
         sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 1, add_pairs)
     else:  # [N] fields (expanded at each use: as the pipeliner and the register allocation were measured)
         if not META_PAIRS:
@@ -265,16 +265,16 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
     bias_acc = bias_acc * alpha + sum_pb
 
     # values
-    if HP == 1:
+    if HEADS_PER_PROGRAM == 1:
         v_scale = v_scale[None, :]
         v_mid = v_mid[None, :]
     if VMID_CHAIN:  # v_mid enters the MMA operand's chain (+ 0 * v_mid): Triton's pipeliner prefetches only such loads
         ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)
     else:
         ps = (p * v_scale).to(tl.float16)
-    if VALUE_BITS == 4 and VALUE_WORDS and HP == 1:
+    if VALUE_BITS == 4 and VALUE_WORDS and HEADS_PER_PROGRAM == 1:
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
-        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
         v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
@@ -285,9 +285,9 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         t1 = tl.zeros(acc1.shape, tl.float32)
         t2 = tl.zeros(acc2.shape, tl.float32)
         t3 = tl.zeros(acc3.shape, tl.float32)
-        for j in tl.static_range(HP):  # HP KV heads: P's rows outside head j's are zero in its dots
+        for j in tl.static_range(HEADS_PER_PROGRAM):  # HEADS_PER_PROGRAM KV heads: P's rows outside head j's are zero in its dots
             v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
-            vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+            vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
             v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
             ps_j = tl.where(sub[:, None] == j, ps, 0.0)
             t0 = tl.dot(ps_j, v0, t0)
@@ -299,14 +299,14 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         acc2 = tl.fma(acc2, alpha[:, None], t2)
         acc3 = tl.fma(acc3, alpha[:, None], t3)
     elif VALUE_BITS == 4:
-        vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < V_N), other=0)
+        vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
         acc0 = rescaled_dot(ps, nibbles_to_f16(vb, False), acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, nibbles_to_f16(vb, True), acc1, alpha[:, None])
-    elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one V_N-byte row and the bit plane read twice
+    elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one VALUE_COLS-byte row and the bit plane read twice
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
-        vm = tok_ok[:, None] & (vcol[None, :] < V_N)
+        vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
-        high = tl.load(v_row + V_N + (vcol % (D // 8))[None, :], mask=vm, other=0)
+        high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
         v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
@@ -314,14 +314,14 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         acc3 = rescaled_dot(ps, v3, acc3, alpha[:, None])
     elif VALUE_PLANES:  # 64-row tiles: acc_J, J = 0, 1, coordinates J * D/2 + vcol (codes a = 2J + vcol // (D/4))
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
-        vm = tok_ok[:, None] & (vcol[None, :] < V_N)
+        vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
         j = vcol % (D // 4)
         low = tl.load(v_row + j[None, :], mask=vm, other=0)
         high = tl.load(v_row + D // 4 + (j % (D // 8))[None, :], mask=vm, other=0)
         acc0 = rescaled_dot(ps, value_plane_bytes(low, high, vcol, 0, D), acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, value_plane_bytes(low, high, vcol, 1, D), acc1, alpha[:, None])
     else:
-        vc = unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, GP, D // 8)
+        vc = unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
         acc0 = rescaled_dot(ps, vc.to(tl.float16), acc0, alpha[:, None])
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 

@@ -8,7 +8,7 @@ fill the GPU. The launch choices (unified_plan.py) pick the variant through the 
 
 The walk over the pool runs tile by tile (tiles.pool_tile); tiles whose positions are all in range and visible
 to every row of the program skip every mask. Per tile the kernel only unpacks codes: the query is rotated once
-in the prologue (q_rot = q @ R^T, in steps of RK coordinates to keep the rotation tiles out of the registers
+in the prologue (q_rot = q @ R^T, in steps of ROTATION_STEP coordinates to keep the rotation tiles out of the registers
 the walk needs), so score_t = key_scale_t * q_rot . centroid[code_t] with the key scale applied per token after
 the dot. 4-bit codebook keys in decode launches on CUDA are looked up by byte permutes (key_lut.py) on codes
 loaded as [D/2, N], so the lookup lands in the MMA's operand layout and the fp16 key tile never goes through
@@ -16,10 +16,10 @@ shared memory; or as 16-bit code words [D/4, N] (KEY_WORDS: two words of a token
 dots over the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by ldmatrix;
 the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16 subnormals with the
 sign bit set from the code, one 8-byte table, the scores scaled once by KEY_UNIT); elsewhere the centroids are
-gathered. With code words a program may take two KV heads (HP = 2): their query rows share one 16-row tile
-(rows 0-7, 8-15), each head's dots see only its rows (the query and P zero elsewhere), so the softmax, its
-cross-warp reductions and P's trip through shared memory serve both heads (the exact tiles likewise: one
-softmax step, a dot per head; each row's q . mu from its head's mean).
+gathered. With code words a program may take two KV heads (HEADS_PER_PROGRAM = 2): their query rows share one
+16-row tile (rows 0-7, 8-15), each head's dots see only its rows (the query and P zero elsewhere), so the
+softmax, its cross-warp reductions and P's trip through shared memory serve both heads (the exact tiles
+likewise: one softmax step, a dot per head; each row's q . mu from its head's mean).
 
 Values use P.V = (P * value_scale) . code + P . bias with bias_t = value_mid_t - value_scale_t * (2**bits - 1)
 / 2, a rank-1 term; in decode tiles 4-bit value codes are loaded as 16-bit words (two tokens per MMA operand
@@ -39,7 +39,7 @@ accumulator in the original space (acc_x), rescaled with the others and added af
 recent_window: positions [ring_lo, seq_len), ring_lo = max(recent_from, seq_len - W), come from a dense ring of
 exact keys/values (position j at slot j % W) and win over the prefix and the pool there: the compressed walk
 ends at ring_lo, the prefix tile drops positions >= ring_lo, and the exact program then walks the ring range in
-dense tiles of RN tokens (tiles.exact_tile). Where the query and the buffers share a 16-bit dtype (EXACT_16)
+dense tiles of RING_TILE tokens (tiles.exact_tile). Where the query and the buffers share a 16-bit dtype (EXACT_16)
 the exact scores are that dtype's MMA and the values' dots one tf32 pass; else three tf32 passes (fp32).
 The exact program: in split decode with programs to spare, one program more than the pool's splits
 (EXACT_PROG), so the dense tiles run alongside the compressed walks; otherwise split 0 (prefix) and the last
@@ -51,8 +51,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, store_rounded
 from .code_decoders import value_col
+from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm
+from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
 @triton.jit
@@ -99,17 +100,17 @@ def _attn_kernel(
     rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] exact recent values, if HAS_RECENT
     recent_size, recent_from,  # W; positions [max(recent_from, seq_len - W), seq_len) are read from the ring
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
-    D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr, G: tl.constexpr,
+    D: tl.constexpr, DP: tl.constexpr, HALF_DP: tl.constexpr, CODE_GROUPS: tl.constexpr, G: tl.constexpr,
     T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QP: tl.constexpr,  # QP: next_pow2(D / 4), 16-bit value words per token
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUARTER_DP: tl.constexpr,  # QUARTER_DP: next_pow2(D / 4), 16-bit value words per token
     VALUE_WORDS: tl.constexpr,  # 4-bit values read as 16-bit words into 4 accumulators (else bytes into 2)
     HAS_KV_START: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr,
-    HAS_PREFIX: tl.constexpr, PP: tl.constexpr, HAS_RECENT: tl.constexpr, RN: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, PREFIX_TILE: tl.constexpr, HAS_RECENT: tl.constexpr, RING_TILE: tl.constexpr,
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
     EXACT_16: tl.constexpr,  # the query and the exact buffers share a 16-bit dtype (exact_tile's dots)
-    RK: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
+    ROTATION_STEP: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
@@ -123,7 +124,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
-    HP: tl.constexpr,  # KV heads per program: 2 (4) put their query rows in one MMA tile, BLOCK_M/HP rows apart
+    HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -133,24 +134,24 @@ def _attn_kernel(
     split = pid % ns_all
 
     # ---- rows of this program: (query i, group member g) pairs --------------------------------
-    RH: tl.constexpr = BLOCK_M // HP  # rows per KV head
-    if HP == 1:
+    ROWS_PER_HEAD: tl.constexpr = BLOCK_M // HEADS_PER_PROGRAM  # rows per KV head
+    if HEADS_PER_PROGRAM == 1:
         sub = 0
         rr = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
         hh = h
     else:
         lr = tl.arange(0, BLOCK_M)
-        sub = lr // RH  # which of the program's heads (a function of the register: selections by it fold)
-        rr = m_tile * RH + lr % RH  # the row within its head's rows (one row tile: m_tile 0)
-        hh = h * HP + sub  # the row's KV head
+        sub = lr // ROWS_PER_HEAD  # which of the program's heads (a function of the register: selections by it fold)
+        rr = m_tile * ROWS_PER_HEAD + lr % ROWS_PER_HEAD  # the row within its head's rows (one row tile: m_tile 0)
+        hh = h * HEADS_PER_PROGRAM + sub  # the row's KV head
     qi = rr // G
     qg = rr % G
     row_ok = qi < Lq
     qhead = hh * G + qg
     seq_len = tl.load(seq_ptr + b).to(tl.int32)
     qpos = seq_len - Lq + qi
-    i_first = (m_tile * RH) // G
-    i_last = tl.minimum((m_tile * RH + RH - 1) // G, Lq - 1)
+    i_first = (m_tile * ROWS_PER_HEAD) // G
+    i_last = tl.minimum((m_tile * ROWS_PER_HEAD + ROWS_PER_HEAD - 1) // G, Lq - 1)
     kv_hi = tl.maximum(seq_len - Lq + i_last + 1, 0)
     kv_first = 0  # first real position
     if HAS_KV_START:
@@ -179,11 +180,11 @@ def _attn_kernel(
 
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
-    hc = tl.arange(0, DHP)
+    hc = tl.arange(0, HALF_DP)
     PLANE_WORDS: tl.constexpr = VALUE_PLANES and BLOCK_M <= 32  # 4 accumulators (else 2, value_plane_bytes)
-    VW: tl.constexpr = QP if (VALUE_WORDS or PLANE_WORDS) else DHP  # columns of each value accumulator
-    vcol = tl.arange(0, VW)
-    V_N: tl.constexpr = D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2  # real ones
+    VALUE_COLS_P: tl.constexpr = QUARTER_DP if (VALUE_WORDS or PLANE_WORDS) else HALF_DP  # columns of each value accumulator
+    vcol = tl.arange(0, VALUE_COLS_P)
+    VALUE_COLS: tl.constexpr = D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2  # real ones
     q_row = q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64) * s_qh + qi.to(tl.int64) * s_ql
     q = tl.load(q_row[:, None] + dc[None, :], mask=row_ok[:, None] & (dc[None, :] < D), other=0.0).to(tl.float32)
     q_mu = 0.0  # placeholders of what only some variants compute (the walk's helper takes them all)
@@ -193,7 +194,7 @@ def _attn_kernel(
     qp = 0.0
     table = 0.0
     if HAS_KEY_OFFSET:  # key_centering: q . (k_hat + mu) = q . k_hat + q . mu, the latter once per row
-        if HP == 1:
+        if HEADS_PER_PROGRAM == 1:
             mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + h * D + dc, mask=dc < D, other=0.0)[None, :]
         else:  # each row its KV head's mean
             mu = tl.load(koff_ptr + b.to(tl.int64) * s_koff + (hh * D)[:, None] + dc[None, :], mask=dc[None, :] < D,
@@ -203,12 +204,12 @@ def _attn_kernel(
         if HADAMARD:  # R not read
             q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
         else:
-            # q @ R^T over RK input coordinates at a time: [RK, D/2] rotation tiles instead of [D, D/2]
+            # q @ R^T over ROTATION_STEP input coordinates at a time: [ROTATION_STEP, D/2] rotation tiles instead of [D, D/2]
             # ones, which held ~128 registers per thread through the prologue (spilled under maxnreg)
-            q_lo = tl.zeros((BLOCK_M, DHP), tl.float32)
-            q_hi = tl.zeros((BLOCK_M, DHP), tl.float32)
-            for k0 in range(0, D, RK):
-                kk = k0 + tl.arange(0, RK)
+            q_lo = tl.zeros((BLOCK_M, HALF_DP), tl.float32)
+            q_hi = tl.zeros((BLOCK_M, HALF_DP), tl.float32)
+            for k0 in range(0, D, ROTATION_STEP):
+                kk = k0 + tl.arange(0, ROTATION_STEP)
                 qc = tl.load(q_row[:, None] + kk[None, :], mask=row_ok[:, None] & (kk[None, :] < D), other=0.0)
                 rmask = (kk[:, None] < D) & (hc[None, :] < D // 2)
                 r_lo = tl.load(rot_ptr + hc[None, :] * D + kk[:, None], mask=rmask, other=0.0)
@@ -220,13 +221,13 @@ def _attn_kernel(
         q_lo = (q_lo / qdiv).to(tl.float16)
         q_hi = (q_hi / qdiv).to(tl.float16)
         if KEY_WORDS:  # coordinates 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1 of word w
-            q0, q1 = tl.split(tl.reshape(q_lo, (BLOCK_M, DHP // 2, 2)))
-            q2, q3 = tl.split(tl.reshape(q_hi, (BLOCK_M, DHP // 2, 2)))
-            if HP == 1:
+            q0, q1 = tl.split(tl.reshape(q_lo, (BLOCK_M, HALF_DP // 2, 2)))
+            q2, q3 = tl.split(tl.reshape(q_hi, (BLOCK_M, HALF_DP // 2, 2)))
+            if HEADS_PER_PROGRAM == 1:
                 qp = (q0, q1, q2, q3)
             else:  # head j's dots see only its rows
                 qp = ()
-                for j in tl.static_range(HP):
+                for j in tl.static_range(HEADS_PER_PROGRAM):
                     sel = sub[:, None] == j
                     qp = qp + (tl.where(sel, q0, 0.0), tl.where(sel, q1, 0.0), tl.where(sel, q2, 0.0), tl.where(sel, q3, 0.0))
     elif KEY_BITS == 3 and KEY_PLANES:
@@ -291,19 +292,19 @@ def _attn_kernel(
     # bytes) in the codes' fp16 scale (words: x 2**-24, odd j 2**-20; bytes: odd j 16 x); 3-bit value
     # planes: 4 accumulators, x 2**-24; the 3-bit bit stream: acc0 all D
     FOUR_ACC: tl.constexpr = VALUE_WORDS or PLANE_WORDS
-    acc0 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else DP), tl.float32)
-    acc1 = tl.zeros((BLOCK_M, VW if (VALUE_BITS == 4 or VALUE_PLANES) else 16), tl.float32)
-    acc2 = tl.zeros((BLOCK_M, VW if FOUR_ACC else 16), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, VW if FOUR_ACC else 16), tl.float32)
+    acc0 = tl.zeros((BLOCK_M, VALUE_COLS_P if (VALUE_BITS == 4 or VALUE_PLANES) else DP), tl.float32)
+    acc1 = tl.zeros((BLOCK_M, VALUE_COLS_P if (VALUE_BITS == 4 or VALUE_PLANES) else 16), tl.float32)
+    acc2 = tl.zeros((BLOCK_M, VALUE_COLS_P if FOUR_ACC else 16), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, VALUE_COLS_P if FOUR_ACC else 16), tl.float32)
     bias_acc = tl.zeros((BLOCK_M,), tl.float32)
     HALF: tl.constexpr = ((1 << VALUE_BITS) - 1) / 2
 
-    pk_row = pk_ptr + b.to(tl.int64) * s_pkb + (h * HP).to(tl.int64) * s_pkh
-    pv_row = pv_ptr + b.to(tl.int64) * s_pvb + (h * HP).to(tl.int64) * s_pvh
+    pk_row = pk_ptr + b.to(tl.int64) * s_pkb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_pkh
+    pv_row = pv_ptr + b.to(tl.int64) * s_pvb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_pvh
     if POOL32:  # the pool has < 2**31 bytes: addresses as int32 offsets from pool_ptr (fewer 64-bit ops per tile)
-        head_off = h * HP * plane_bytes
+        head_off = h * HEADS_PER_PROGRAM * plane_bytes
     else:
-        head_off = (h * HP).to(tl.int64) * plane_bytes
+        head_off = (h * HEADS_PER_PROGRAM).to(tl.int64) * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk: whole tiles every row sees, without masks; then the masked ones: a first tile with
     # positions before the pool's first one (exact prefix, left padding) and the last tiles (the
@@ -327,7 +328,7 @@ def _attn_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, blk_c, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
-            vcol, HALF, V_N, HP, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            vcol, HALF, VALUE_COLS, HEADS_PER_PROGRAM, D, CODE_GROUPS, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES,
             PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
@@ -335,7 +336,7 @@ def _attn_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3, bias_acc = pool_tile(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, None, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
-            HALF, V_N, HP, D, GP, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
+            HALF, VALUE_COLS, HEADS_PER_PROGRAM, D, CODE_GROUPS, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
             HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
@@ -347,23 +348,23 @@ def _attn_kernel(
     # the exact prefix: one dense tile of original keys/values
     if HAS_PREFIX:
         if split == exact_split_first:
-            pc = tl.arange(0, PP)
+            pc = tl.arange(0, PREFIX_TILE)
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkh, s_pkp, pv_row, s_pvh, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, sub, HP, EXACT_16, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, sub, HEADS_PER_PROGRAM, EXACT_16, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
         if split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
-            k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HP).to(tl.int64) * s_rkh
-            v_ring = rv_ptr + b.to(tl.int64) * s_rvb + (h * HP).to(tl.int64) * s_rvh
-            for j0 in range(ring_first, kv_hi, RN):  # at most W positions
-                rpos = j0 + tl.arange(0, RN)
+            k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_rkh
+            v_ring = rv_ptr + b.to(tl.int64) * s_rvb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_rvh
+            for j0 in range(ring_first, kv_hi, RING_TILE):  # at most W positions
+                rpos = j0 + tl.arange(0, RING_TILE)
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                     q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkh, s_rkp, v_ring, s_rvh, s_rvp,
-                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HP, EXACT_16,
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HEADS_PER_PROGRAM, EXACT_16,
                     D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
@@ -371,10 +372,10 @@ def _attn_kernel(
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = bias_acc * inv_l
     if SPLIT:
-        if HP == 1:
+        if HEADS_PER_PROGRAM == 1:
             prow = ((b * tl.num_programs(1) + h) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
-        else:  # per KV head: RH rows
-            prow = ((b * (tl.num_programs(1) * HP) + hh) * ns_all + split) * RH + rr
+        else:  # per KV head: ROWS_PER_HEAD rows
+            prow = ((b * (tl.num_programs(1) * HEADS_PER_PROGRAM) + hh) * ns_all + split) * ROWS_PER_HEAD + rr
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
         tl.store(plse_ptr + prow, lse)
         dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
@@ -390,7 +391,7 @@ def _attn_kernel(
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
         if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
-            rmask = (vcol[:, None] < V_N) & (dc[None, :] < D)
+            rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
             out = tl.dot(out0, tl.load(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
                          input_precision="tf32x3")
@@ -405,7 +406,7 @@ def _attn_kernel(
                 out = out + acc_x * inv_l[:, None]
             store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
         else:
-            om = row_ok[:, None] & (vcol[None, :] < V_N)
+            om = row_ok[:, None] & (vcol[None, :] < VALUE_COLS)
             store_rounded(dst + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[None, :], out0, om)
             store_rounded(dst + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[None, :], out1, om)
             if FOUR_ACC:

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..layout import BlockLayout, key_planes, value_planes
-from ._common import next_pow2
+from .codec_tensors import next_pow2
 from .device import DeviceTraits
 from .key_lut import config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut_asm, lut_words_asm
 from .launch_config import NO_REGISTER_CAP, LaunchConfig
@@ -183,23 +183,23 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         workspace_numel = partial_rows * (dp + 1)
         check_workspace(workspace, workspace_numel, pool.device)
     constants = dict(
-        D=d, DP=dp, DHP=dhp, GP=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
+        D=d, DP=dp, HALF_DP=dhp, CODE_GROUPS=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
         META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
         NC=(1 << cfg.key_bits) if cfg.uses_codebook else 1,
-        BLOCK_M=block_m, QP=next_pow2(d // 4),
+        BLOCK_M=block_m, QUARTER_DP=next_pow2(d // 4),
         HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
-        HAS_PREFIX=prefix_len > 0, PP=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), RK=min(32, dp), EXACT_PROG=exact_prog,
+        HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
         EXACT_16=exact16,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
         LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RN=ring_n,
-        HP=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return AttentionPlan(
         layout=layout, kernel=_attn_kernel, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n,

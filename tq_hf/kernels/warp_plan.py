@@ -88,9 +88,9 @@ def plan_warps(layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int,
     check_workspace(workspace, workspace_numel, pool.device)
     table, unit = config_lut_bytes(layout.config, d)
     constants = dict(
-        D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
-        HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2,
+        D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, QUERY_COLS=COLUMNS,
+        HEADS_PER_PROGRAM=HEADS, ROWS_PER_HEAD=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
+        POOL64=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2,
         HADAMARD=layout.config.rotation == "hadamard", num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
     return AttentionPlan(
         layout=layout, kernel=_warp_kernel, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n,

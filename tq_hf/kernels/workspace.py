@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import next_pow2
+from .codec_tensors import next_pow2
 
 _WORKSPACES: dict[str, torch.Tensor] = {}
 _PARTIALS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # views of the current workspaces
