@@ -417,8 +417,8 @@ def _gpu_launch(*args, **kw) -> dict:
 @pytest.mark.parametrize("preset,batch,splits", [
     ("4bit", 1, 64), ("4bit", 2, 32), ("4bit", 4, 16), ("4bit", 8, 8), ("4bit", 16, 4),  # 3 waves of the H200's
     # 132 SMs, a power of two, of half the programs (two KV heads per program)
-    ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
-    # split also once every SM has a program (gpu_checks/session19, call 8), until the programs fill the waves
+    ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves
+    # split also once every SM has a program, until the programs fill the waves
     ("k8v4", 32, 2), ("k8v4", 64, 2), ("k3v4", 24, 2), ("k3v4", 64, 1),
 ])
 def test_gpu_decode_split_counts(preset, batch, splits):
@@ -430,7 +430,7 @@ def test_gpu_decode_split_counts(preset, batch, splits):
                        max_seq_len=32768)
     assert seen["GRID"] == (splits, 4 if preset == "4bit" else 8, batch) and seen["SPLIT"] == (splits > 1)
     assert seen["num_warps"] == 4
-    if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits (gpu_checks/session15)
+    if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
         seen = _gpu_launch(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
                            max_seq_len=32768, key_offset=torch.zeros(8, 128))
@@ -438,14 +438,14 @@ def test_gpu_decode_split_counts(preset, batch, splits):
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
-    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program (plain format): 168 registers (session14)
+    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program (plain format): 168 registers
     ("4bit", 4, 1, True, 128, 168),
     ("4bit", 2, 1, True, 128, 168),
     ("4bit", 1, 1, True, 128, 168),
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
-    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads (gpu_checks/session10)
-    ("k8v4", 2, 1, False, 128, 128),  # and below since the value sums from zero (gpu_checks/session18/call10)
+    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads
+    ("k8v4", 2, 1, False, 128, 128),  # and below since the value sums from zero
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
     ("3bit", 16, 1, True, 128, 168),  # 3-bit values (value planes) next to the key planes: plain in 168
@@ -457,7 +457,7 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
     seen = _gpu_launch(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
-    if head_dim != 128:  # head_dim 64 (9/3/64 sweeps, gpu_checks/session16): 4-bit decode by the code words in 168
+    if head_dim != 128:  # head_dim 64 (9/3/64 sweeps): 4-bit decode by the code words in 168
         # registers on 256-token tiles; FP8 keys uncapped in the plain format; 3-bit keys gathered (no planes at 64)
         lookup = preset == "4bit" and q_len == 1
         maxnreg = 168 if lookup else None
@@ -485,14 +485,14 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
     if head_dim == 64:  # there the 4-bit code words' decode and FP8 keys', when the batch leaves SMs free
         pairs = q_len == 1 and batch < 16 and preset in ("4bit", "k8v4")
-    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
+    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64);
     # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
     meta_words = not pairs and q_len == 1 and head_dim == 128
     bt_next = meta_words and preset != "k8v4"
     assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
     if meta_words:  # with centering + value rotation (the cache's defaults): head pairs keep the block-table
-        # prefetch and 3 stages (gpu_checks/session15/call1); one head per program does without (2 stages)
+        # prefetch and 3 stages; one head per program does without (2 stages)
         opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
         seen = _gpu_launch(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
@@ -500,9 +500,9 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (
             True, True, head_pairs, 3 if head_pairs else 2), seen
         assert (seen["KEY_WORDS"], seen["HEADS_PER_PROGRAM"]) == (key_words, 2 if head_pairs else 1), seen
-        assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped (session15/call6)
+        assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped
     if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words) at
-        # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers (gpu_checks/session16/call5)
+        # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers
         pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
@@ -524,8 +524,8 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
 @pytest.mark.parametrize("batch", [16, 1])
 def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
     """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles and two KV
-    heads per program as without them (gpu_checks/session15/call2), uncapped (in 168 registers, the plain format's
-    cap, their state spilled through the walk: gpu_checks/session15/call6)."""
+    heads per program as without them, uncapped (in 168 registers, the plain format's
+    cap, their state spilled through the walk)."""
     layout = make_layout("4bit", 8, 128)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     kw = {}
@@ -537,7 +537,7 @@ def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
                        max_seq_len=32768, **kw)
     assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HEADS_PER_PROGRAM"]) == (128, None if exact else 168, 2), seen
     # S=32k: split decode; a batch that fills the GPU has no exact program (the last split walks the ring: its tiles
-    # shared out over the splits measured slower, gpu_checks/session16/call2)
+    # shared out over the splits measured slower)
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
     seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, long_table, torch.full((batch,), 32768), 0.1,
                        max_seq_len=32768, **kw)
@@ -551,9 +551,9 @@ def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
 @pytest.mark.parametrize("batch", [1, 2, 4, 16])
 def test_gpu_fp8_keys_capped_with_the_levers(batch):
     """FP8 keys run in 128 registers at any batch on an H200: with value rotation and the exact buffers (k8v4's
-    defaults; B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4) and in the plain format (B=1 S=32k uncapped since
-    the tile's value sums from zero: 0.0405 vs 0.0323, gpu_checks/session18/call10). Their exact program walks the
-    ring in 16-token tiles (gpu_checks/session16/call7)."""
+    defaults; B=1 0.0467 -> 0.0435 ms) and in the plain format (B=1 S=32k uncapped since
+    the tile's value sums from zero: 0.0405 vs 0.0323). Their exact program walks the
+    ring in 16-token tiles."""
     for levers in (True, False):
         layout = make_layout("k8v4", 8, 128, value_rotation=levers)
         pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -562,7 +562,7 @@ def test_gpu_fp8_keys_capped_with_the_levers(batch):
                            torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == 128, (levers, seen)
     # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles up to 2 x 8
-    # KV heads (at 4 x 8 slower, gpu_checks/session16/call8)
+    # KV heads (at 4 x 8 slower)
     layout = make_layout("k8v4", 8, 128, value_rotation=True)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     ring = recent_ring(layout, batch, 128, torch.float16, "cpu")
@@ -577,7 +577,7 @@ def test_gpu_fp8_keys_capped_with_the_levers(batch):
 def test_gpu_head_dim_64_decode_choices(preset, batch):
     """SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) on an H200: 4-bit keys by the code words on
     256-token tiles in 168 registers, FP8 keys uncapped (128 registers with the levers); both with token-pair
-    metadata while the batch leaves SMs free (2 x 48 x 3 KV heads fill the H200's 132; gpu_checks/session16)."""
+    metadata while the batch leaves SMs free (2 x 48 x 3 KV heads fill the H200's 132)."""
     for levers in (False, True):
         layout = make_layout(preset, 3, 64, key_centering=levers, value_rotation=levers)
         pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -609,7 +609,7 @@ def test_gpu_value_planes_in_64_row_tiles():
 
 @pytest.mark.parametrize("preset,q_len,hadamard", [
     ("4bit", 1, True), ("4bit", 40, True), ("k8v4", 40, True), ("k3v4", 1, True), ("3bit", 1, True),
-    ("k3v4", 40, False), ("3bit", 40, False),  # 3-bit keys in 64-row tiles: the GPU tests failed (session 12 call 4)
+    ("k3v4", 40, False), ("3bit", 40, False),  # 3-bit keys in 64-row tiles: the GPU tests failed
 ])
 def test_gpu_hadamard_choices(preset, q_len, hadamard):
     """Where a GPU builds the Hadamard rotations in registers (rotation="hadamard") and where it reads R."""
@@ -626,7 +626,7 @@ def test_gpu_hadamard_choices(preset, q_len, hadamard):
 @pytest.mark.parametrize("options,maxnreg", [(False, 168), (True, 128)])
 def test_gpu_three_bit_register_caps(options, maxnreg):
     """The 3bit preset's planes at B=16 on an H200: the plain format in 168 registers, with centering and
-    value rotation in 128 (measured each way, gpu_checks/session11/call7)."""
+    value rotation in 128 (measured each way)."""
     layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
     pool, table = fill_cache(layout, [64] * 16, "cpu")
     kw = {"key_offset": torch.zeros(8, 128)} if options else {}
@@ -1014,7 +1014,7 @@ def test_meta_words_decode_at_head_dim_128(preset):
 # Long walks on the GPU: 4 splits of 32k positions per sequence (decode, both decode kernels) and a 64-query chunk
 # (prefill tiles) at the end of 128k, zero-mean values (their average is ~100x smaller than they are). With the
 # value sums chained through the MMA's accumulator (which rounds toward zero), the error grew with the walk's
-# length: 1-5% here, 42% for the chunk (H200, gpu_checks/session18, call 7); attention._rescaled_dot.
+# length: 1-5% here, 42% for the chunk (H200); softmax.rescaled_dot.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,tuning,q_len,num_splits", [

@@ -165,7 +165,7 @@ def test_store_non_contiguous_inputs_and_int32_slots():
 
 
 @pytest.mark.parametrize("tokens,block_t,warps", [
-    (1, 16, 8), (16, 16, 8),  # a decode step: 8 warps (H200, eval/results/gpu_checks/session8, call 9)
+    (1, 16, 8), (16, 16, 8),  # a decode step: 8 warps
     (32, 32, 8), (1000, 64, 8),  # long prefills: 64-token tiles amortise the rotation loads
 ])
 def test_store_launch_choices_on_a_gpu(tokens, block_t, warps):

@@ -188,7 +188,7 @@ def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, in
 # ---- 3-bit codebook keys ------------------------------------------------------------------------
 # The key codes sit in three byte planes (layout.py): bits 0-2 and 4-6 of each byte are two codes;
 # the kernel gathers codes 6 and 7 from the planes' spare bits 3 and 7 into one more such byte with
-# integer ops (attention._spare_codes: Triton moves those into the MMA operand layout, a three-input
+# integer ops (code_decoders.spare_codes: Triton moves those into the MMA operand layout, a three-input
 # asm it would not). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
 # nibble, no sign step. $2: 4 code bytes; $0, $1: fp16 centroids of their low (sel 0x6240) or high
 # (0x7351) nibbles.
