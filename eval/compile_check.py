@@ -1,8 +1,8 @@
 """Compile the Triton kernels for a GPU that is not here (default sm_90a, the H200) and report the
 shared memory each launch variant needs: what the interpreter cannot tell.
 
-The launchers are run on CPU tensors with their GPU heuristics and the kernel launch captured;
-each captured variant is compiled by the installed Triton (its bundled ptxas) with the
+The attention launch is planned on CPU tensors with the H200's DeviceTraits (plan_attention) and the
+store's launch captured; each variant is compiled by the installed Triton (its bundled ptxas) with the
 specialisations a real launch gets (16-byte divisibility of pointers and of ints that are
 multiples of 16). Against the GPU's own compiler version (`pip install --target DIR triton==3.6.0`,
 then `PYTHONPATH=DIR`), the figures matched Nsight Compute on the H200 (102,400 B for 4bit decode at
