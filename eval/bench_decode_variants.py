@@ -50,7 +50,7 @@ SPLITS = {  # name -> split count (unified_attention's num_splits) and tuning: s
 WARPS = {  # name -> tuning (+ split_factor: the launcher's split count scaled): warps per program x KV tile x splits
     "launcher defaults": {},
     **{f"{nw} warps, BLOCK_N {bn}": {"num_warps": nw, "block_n": bn} for nw, bn in ((2, 128), (2, 64), (1, 64), (1, 32))},
-    **{f"{nw} warps, BLOCK_N {bn}, no register cap": {"num_warps": nw, "block_n": bn, "maxnreg": None}
+    **{f"{nw} warps, BLOCK_N {bn}, no register cap": {"num_warps": nw, "block_n": bn, "maxnreg": 0}
        for nw, bn in ((2, 128), (1, 64))},
     **{f"{nw} warps, BLOCK_N {bn}, 2x splits": {"num_warps": nw, "block_n": bn, "split_factor": 2}
        for nw, bn in ((2, 128), (1, 64))},
@@ -73,9 +73,9 @@ NARROW = {  # name -> tuning, with and without the levers: the mid-batch 2-warp 
 }
 
 LOOKUPS = {  # name -> unified_attention tuning: 4-bit key decoding (key_lut) x KV tile x register cap (maxnreg)
-    "gather, BLOCK_N 256 (before)": {"key_lut": False, "block_n": 256, "maxnreg": None},
-    "prmt, BLOCK_N 256": {"key_lut": True, "block_n": 256, "maxnreg": None},
-    "prmt, BLOCK_N 128": {"key_lut": True, "block_n": 128, "maxnreg": None},
+    "gather, BLOCK_N 256 (before)": {"key_lut": False, "block_n": 256, "maxnreg": 0},
+    "prmt, BLOCK_N 256": {"key_lut": True, "block_n": 256, "maxnreg": 0},
+    "prmt, BLOCK_N 128": {"key_lut": True, "block_n": 128, "maxnreg": 0},
     "prmt, BLOCK_N 128, maxnreg 168": {"key_lut": True, "block_n": 128, "maxnreg": 168},
     "prmt, BLOCK_N 128, maxnreg 128": {"key_lut": True, "block_n": 128, "maxnreg": 128},
     "prmt, BLOCK_N 256, maxnreg 128": {"key_lut": True, "block_n": 256, "maxnreg": 128},
@@ -107,7 +107,7 @@ def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str =
 
     def call():
         return unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out,
-                                 key_offset=mu, tuning=tuning, num_splits=num_splits, **extra)
+                                 key_offset=mu, launch=_launch_config(tuning), num_splits=num_splits, **extra)
     return call, out
 
 
@@ -121,13 +121,18 @@ def _time_against(call, out, baseline, reps: int, flush):
     return time_ms(call, reps, True, flush), diff, baseline
 
 
+def _launch_config(tuning: dict | None):
+    """A variant's overrides (a dict, as the results record them) as unified_attention's LaunchConfig."""
+    from tq_hf.kernels import LaunchConfig
+
+    return LaunchConfig(**tuning) if tuning else None
+
+
 def _default_splits(q, pool, layout, table, seq, s: int) -> int:
     """The split count unified_attention's launcher picks for these arguments (its plan's scalars)."""
-    from tq_hf.kernels import attention as attention_kernel
+    from tq_hf.kernels import plan_attention
 
-    plan = attention_kernel._plan_for(q, pool, layout, table, seq, None, None, None, None, None, None, None, None, None,
-                                      1 / math.sqrt(q.shape[-1]), None, None, s, None, None)
-    return plan.scalars[1]
+    return plan_attention(q, pool, layout, table, seq, 1 / math.sqrt(q.shape[-1]), max_seq_len=s).scalars[1]
 
 
 def _row(b: int, s: int, preset: str, variant: str, tuning: dict, ms: float, diff: float, sdpa: float,
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                    * variant["split_factor"]))}
                 try:
                     call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
-                                                     tuning=tuning, num_splits=variant.get("num_splits"), key_offset=mu,
+                                                     launch=_launch_config(tuning), num_splits=variant.get("num_splits"), key_offset=mu,
                                                      **extra)
                     ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
                 except Exception as exc:  # a variant that does not compile or fit is reported, not fatal

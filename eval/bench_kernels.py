@@ -172,6 +172,7 @@ def bench_prefill(args, flush, results):
     compressed: store_kv, then unified_attention reads the compressed cache.
     """
     from tq_hf.kernels import store_kv, unified_attention
+    from tq_hf.kernels import StoreLaunchConfig
     from tq_hf.layout import BlockLayout
 
     hq, hk, d = 32, 8, 128
@@ -222,7 +223,8 @@ def bench_prefill(args, flush, results):
                     for warps in (4, 8):
                         tun = {"block_t": block_t, "num_warps": warps}
                         try:
-                            ms = time_ms(lambda: store_kv(pool, layout, kt, vt, slots, tuning=tun), reps, False, flush)
+                            ms = time_ms(lambda: store_kv(pool, layout, kt, vt, slots, launch=StoreLaunchConfig(**tun)), reps,
+                                         False, flush)
                         except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
                             print(f"store sweep S={s} {preset} {tun}: failed {type(exc).__name__}", flush=True)
                             continue
@@ -260,7 +262,7 @@ def bench_store_step(args, flush, results):
 def bench_tune(args, flush, results):
     """Sweep launch parameters of the decode kernel at the target shapes (B=16/1, S=32k, 32/8/128)."""
     from tq_hf.config import TurboQuantConfig
-    from tq_hf.kernels import unified_attention
+    from tq_hf.kernels import LaunchConfig, unified_attention
     from tq_hf.layout import BlockLayout
 
     hq, hk, d, s = 32, 8, 128, 32768
@@ -278,7 +280,8 @@ def bench_tune(args, flush, results):
                             tun = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
                             try:
                                 ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, max_seq_len=s,
-                                                                       out=out, num_splits=splits, tuning=tun),
+                                                                       out=out, num_splits=splits,
+                                                                       launch=LaunchConfig(**tun)),
                                              20, True, flush)
                             except Exception as exc:  # noqa: BLE001 - report configs that fail to compile
                                 print(f"tune B={b} {preset} splits={splits} {tun}: failed {type(exc).__name__}", flush=True)
@@ -297,7 +300,7 @@ def bench_tune(args, flush, results):
                                             (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 3)]:
         tun = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
         try:
-            ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, out=out, tuning=tun), 5, False, flush)
+            ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, 0.088, out=out, launch=LaunchConfig(**tun)), 5, False, flush)
         except Exception as exc:  # noqa: BLE001
             print(f"tune prefill {tun}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue

@@ -1,8 +1,8 @@
 """Compile the Triton kernels for a GPU that is not here (default sm_90a, the H200) and report the
 shared memory each launch variant needs: what the interpreter cannot tell.
 
-The launchers are run on CPU tensors with their GPU heuristics and the kernel launch captured;
-each captured variant is compiled by the installed Triton (its bundled ptxas) with the
+The attention launch is planned on CPU tensors with the H200's DeviceTraits (plan_attention) and the
+store's launch captured; each variant is compiled by the installed Triton (its bundled ptxas) with the
 specialisations a real launch gets (16-byte divisibility of pointers and of ints that are
 multiples of 16). Against the GPU's own compiler version (`pip install --target DIR triton==3.6.0`,
 then `PYTHONPATH=DIR`), the figures matched Nsight Compute on the H200 (102,400 B for 4bit decode at
@@ -28,9 +28,8 @@ TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch
 
 @contextmanager
 def captured_launches():
-    """Launchers run their GPU heuristics on CPU tensors (inline PTX included); launches are
-    recorded, not run."""
-    from tq_hf.kernels import attention, store
+    """The store launcher's launch on CPU tensors, recorded, not run."""
+    from tq_hf.kernels import store
 
     seen: dict = {}
 
@@ -43,18 +42,12 @@ def captured_launches():
                 seen[self.name] = (args, kwargs)
             return record
 
-    saved = (attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_site, store._store_kernel)
-
-    def launch(grid, args, constants, block_n, num_stages, kernel=None):
-        seen["attention"] = (args, {**constants, "BLOCK_N": block_n, "num_stages": num_stages})
-        seen["attention_kernel"] = kernel or attention._attn_kernel
-
-    attention._launch, attention._tuned_for_gpu, attention._runs_ptx = launch, lambda device: True, lambda device: True
-    attention.reduce_site, store._store_kernel = (lambda *a, **k: lambda *args: None), Recorder("store")
+    saved = store._store_kernel
+    store._store_kernel = Recorder("store")
     try:
         yield seen
     finally:
-        attention._launch, attention._tuned_for_gpu, attention._runs_ptx, attention.reduce_site, store._store_kernel = saved
+        store._store_kernel = saved
 
 
 def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
@@ -90,7 +83,8 @@ def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
 def variants(presets: list[str], head_dims: list[int], modes=("decode", "prefill"), levers=(False, True)):
     """(tag, kernel function, args, kwargs) for each launch the GPU would make."""
     from tq_hf.config import TurboQuantConfig
-    from tq_hf.kernels import attention, store, store_kv, unified_attention
+    from tq_hf.kernels import attention, plan_attention, store, store_kv
+    from tq_hf.kernels.device import H200
     from tq_hf.layout import BlockLayout
 
     real_store = store._store_kernel
@@ -109,14 +103,23 @@ def variants(presets: list[str], head_dims: list[int], modes=("decode", "prefill
                          recent_keys=ring, recent_values=ring, recent_from=0, kv_start=torch.tensor([0, 3, 1]),
                          sliding_window=200, sinks=torch.randn(hk * group), softcap=30.0)
         tag = f"{preset} head_dim {d} {'levers' if on else 'plain'}"
-        with captured_launches() as seen:
-            unified_attention(query, pool, layout, table, torch.tensor([300, 250, 120]), 0.1, max_seq_len=320, **extra)
-            if mode == "decode":
+        seq_lens = torch.tensor([300, 250, 120])
+        recent_from = extra.pop("recent_from", 0)
+        plan = plan_attention(query, pool, layout, table, seq_lens, 0.1, max_seq_len=320, device_traits=H200, **extra)
+        args, _, _ = attention.kernel_arguments(plan, query, pool, table, seq_lens, torch.empty_like(query),
+                                                kv_start=extra.get("kv_start"), sinks=extra.get("sinks"),
+                                                key_offset=extra.get("key_offset"),
+                                                prefix_keys=extra.get("prefix_keys"),
+                                                prefix_values=extra.get("prefix_values"),
+                                                recent_keys=extra.get("recent_keys"),
+                                                recent_values=extra.get("recent_values"), recent_from=recent_from)
+        kwargs = {**plan.constants, "BLOCK_N": plan.block_n, "num_stages": plan.num_stages}
+        if mode == "decode":
+            with captured_launches() as seen:
                 kv = torch.randn(rows * 5, hk, d, dtype=torch.float16)
                 store_kv(pool, layout, kv, kv, torch.arange(rows * 5), key_offset=extra.get("key_offset"))
-        args, kwargs = seen["attention"]
         yield f"attention {mode} {tag} (BLOCK_M {kwargs['BLOCK_M']}, BLOCK_N {kwargs['BLOCK_N']})", \
-            seen["attention_kernel"], args, kwargs
+            plan.kernel, args, kwargs
         if mode == "decode":
             yield f"store {tag}", real_store, *seen["store"]
 

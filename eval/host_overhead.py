@@ -32,23 +32,21 @@ from .common import markdown_table, md_header, run_metadata, write_json
 def stubbed_launches():
     """The kernel path on CPU tensors as on an H200 (its launch choices), every launch a no-op; restored after."""
     from tq_hf import ops
-    from tq_hf.kernels import attention, fast_launch, store
+    from tq_hf.kernels import attention, device, fast_launch
 
+    cpu = torch.device("cpu")
     patches = [
         (ops, "use_kernels", lambda t: True),
         (fast_launch.LaunchSite, "__call__", lambda self, *args: None),
-        (attention, "_tuned_for_gpu", lambda device: True),
-        (attention, "_runs_ptx", lambda device: True),
-        (attention, "_num_sms", lambda device: 132),
-        (attention, "_launch", lambda grid, args, constants, block_n, stages, kernel=None:
+        (attention, "launch_fitting", lambda kernel, grid, args, constants, block_n, stages:
          fast_launch.LaunchSite(None, grid, {})),
-        (store, "_tuned_for_gpu", lambda device: True),
     ]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
-        yield
+        with device.assumed_traits(cpu, device.H200):  # CPU tensors planned as on an H200
+            yield
     finally:
         for obj, name, value in saved:
             setattr(obj, name, value)

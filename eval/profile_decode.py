@@ -5,7 +5,7 @@ times, and prints what the compiled kernel uses (registers, spills, shared memor
 instruction mix of its variants. Run it under Nsight Compute to read the hardware counters:
 
     ncu --clock-control none --set full -k 'regex:_attn_kernel|_warp_kernel' --launch-skip 2 --launch-count 1 -o r \
-        python -m eval.profile_decode --preset 4bit --batch 16 --length 32768 [--tuning "{'bt_next': False}"]
+        python -m eval.profile_decode --preset 4bit --batch 16 --length 32768 [--launch "{'bt_next': False}"]
     ncu --import r.ncu-rep --page source --csv --print-source sass > r.csv
     python -m eval.profile_decode --stalls r.csv     # where the warps wait: by reason, opcode, instruction
 """
@@ -95,16 +95,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--heads", default="32,8,128", help="Hq,Hk,D")
     ap.add_argument("--launches", type=int, default=4)
-    ap.add_argument("--tuning", default="{}", help="unified_attention tuning, a Python dict literal")
+    ap.add_argument("--launch", default="{}", help="unified_attention's LaunchConfig fields, a Python dict literal")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page SASS export instead")
     args = ap.parse_args(argv)
     if args.stalls:
         stall_summary(args.stalls)
         return
     from eval.bench_kernels import _fill_pool, _key_offset, make_config
-    from tq_hf.kernels import unified_attention
-    from tq_hf.kernels.attention import _attn_kernel
+    from tq_hf.kernels import LaunchConfig, unified_attention
     from tq_hf.kernels.decode_warps import _warp_kernel
+    from tq_hf.kernels.unified import _attn_kernel
     from tq_hf.layout import BlockLayout
 
     hq, hk, d = (int(x) for x in args.heads.split(","))
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     out = torch.empty_like(q)
     for _ in range(args.launches):
         unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out, key_offset=mu,
-                          tuning=ast.literal_eval(args.tuning))
+                          launch=LaunchConfig(**ast.literal_eval(args.launch)))
     torch.cuda.synchronize()
     print(f"{args.preset} B={b} S={s} {hq}/{hk}/{d}: compressed bytes {b * hk * s * layout.config.token_head_bytes(d) / 1e9:.3f} GB")
     for kernel in (_attn_kernel, _warp_kernel):  # whichever the launcher picked (plain 4bit at large batch: one-warp)

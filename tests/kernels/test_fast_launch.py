@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tq_hf import reference
-from tq_hf.kernels import attention as attention_kernel, fast_launch, store as store_kernel
+from tq_hf.kernels import attention as attention_kernel, fast_launch, store as store_kernel, workspace
 from tq_hf.kernels import store_kv, unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, compare_pools, default_scale, fill_cache, make_layout,
@@ -297,15 +297,15 @@ def test_plans_hold_no_caller_tensors():
 
 def test_split_partials_follow_the_workspace(monkeypatch):
     """The cached partial views always lie in the current workspace, also after it grew."""
-    monkeypatch.setattr(attention_kernel, "_WORKSPACES", {})
-    monkeypatch.setattr(attention_kernel, "_PARTIALS", {})
+    monkeypatch.setattr(workspace, "_WORKSPACES", {})
+    monkeypatch.setattr(workspace, "_PARTIALS", {})
     cpu = torch.device("cpu")
-    pout, plse = attention_kernel.split_partials(cpu, 64, 80)
-    buf = attention_kernel._WORKSPACES["cpu"]
+    pout, plse = workspace.split_partials(cpu, 64, 80)
+    buf = workspace._WORKSPACES["cpu"]
     assert (pout.data_ptr(), pout.numel(), plse.data_ptr(), plse.numel()) == (buf.data_ptr(), 64, buf.data_ptr() + 256, 16)
-    assert attention_kernel.split_partials(cpu, 64, 80)[0] is pout  # cached: no slicing per call
-    attention_kernel.split_partials(cpu, 1000, 1200)  # a larger launch: the workspace is replaced
-    grown = attention_kernel._WORKSPACES["cpu"]
+    assert workspace.split_partials(cpu, 64, 80)[0] is pout  # cached: no slicing per call
+    workspace.split_partials(cpu, 1000, 1200)  # a larger launch: the workspace is replaced
+    grown = workspace._WORKSPACES["cpu"]
     assert grown.data_ptr() != buf.data_ptr()
-    pout, plse = attention_kernel.split_partials(cpu, 64, 80)
+    pout, plse = workspace.split_partials(cpu, 64, 80)
     assert pout.data_ptr() == grown.data_ptr() and plse.data_ptr() == grown.data_ptr() + 256

@@ -14,7 +14,8 @@ import torch
 
 from tq_hf import reference
 from tq_hf.layout import value_planes
-from tq_hf.kernels import unified_attention
+from tq_hf.kernels import DeviceTraits, LaunchConfig, plan_attention, unified_attention
+from tq_hf.kernels.device import H200
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
                             poisoned_exact_buffers, recent_ring, rel_error)
@@ -33,7 +34,7 @@ def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefi
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
-    ref_kw = {k: v for k, v in kw.items() if k not in ("num_splits", "tuning")}
+    ref_kw = {k: v for k, v in kw.items() if k not in ("num_splits", "launch", "device_traits")}
     want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale, **ref_kw)
     out = torch.full_like(query, float("nan"))
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, **kw)
@@ -71,8 +72,8 @@ def test_head_dims_block_sizes_dtypes(head_dim, block_size, dtype):
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
 def test_pool_addresses_in_int64(preset):
     layout = make_layout(preset, 2, 128, 32)
-    _check(layout, [5, 130, 77], 1, 4, num_splits=3, tuning={"pool32": False, "meta_pairs": True})
-    _check(layout, [40, 71], 17, 4, tuning={"pool32": False})
+    _check(layout, [5, 130, 77], 1, 4, num_splits=3, launch=LaunchConfig(pool32=False, meta_pairs=True))
+    _check(layout, [40, 71], 17, 4, launch=LaunchConfig(pool32=False))
 
 
 def test_pool32_refused_for_large_pools():
@@ -82,7 +83,7 @@ def test_pool32_refused_for_large_pools():
     q = torch.randn(1, 4, 1, 64)
     with pytest.raises(ValueError, match="pool32=True needs a pool of < 2"):
         unified_attention(q, pool, layout, torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 0.1,
-                          tuning={"pool32": True})
+                          launch=LaunchConfig(pool32=True))
 
 
 # prefill / chunked prefill: several row tiles, causal bottom-right alignment
@@ -229,7 +230,7 @@ def test_exact_prefix_decode(preset, group, prefix_len, options, dtype, exact_pr
     layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, group) if options else {"softcap": 5.0}
     _check(layout, [3, 37, 90], 1, group, dtype=dtype, prefix_len=prefix_len, num_splits=3,
-           kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"exact_program": exact_program}, **kw)
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
 
 
 @pytest.mark.parametrize("preset", ["4bit", "k3v4"])
@@ -239,7 +240,7 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program):
     their own program or in the first/last split; one row shorter than the ring."""
     layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
     _check(layout, [9, 70, 133], 1, 4, prefix_len=4, recent=(16, 0), num_splits=4,
-           kv_start=torch.tensor([0, 3, 0], device=DEVICE), tuning={"exact_program": exact_program},
+           kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=LaunchConfig(exact_program=exact_program),
            **_fidelity_options(layout, 4))
 
 
@@ -340,10 +341,10 @@ def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), **kw)
     if recent[0] > 16:  # the ring in 32-token tiles (a GPU's; the interpreter's default is 16)
         _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
-               kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"ring_n": 32}, **kw)
+               kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(ring_n=32), **kw)
     # without the exact program (a full GPU's choice): the last split walks the ring
     _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
-           kv_start=torch.tensor([0, 5, 20], device=DEVICE), tuning={"exact_program": False}, **kw)
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=False), **kw)
 
 
 def test_ring_tile_refused():
@@ -352,7 +353,7 @@ def test_ring_tile_refused():
     ring = recent_ring(layout, 1, 16, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="ring_n must be 16, 32, 64 or 128 tokens, got 48"):
         unified_attention(torch.randn(1, 4, 1, 64, device=DEVICE), pool, layout, table, torch.tensor([40], device=DEVICE),
-                          0.1, recent_keys=ring[0], recent_values=ring[1], recent_from=0, tuning={"ring_n": 48})
+                          0.1, recent_keys=ring[0], recent_values=ring[1], recent_from=0, launch=LaunchConfig(ring_n=48))
 
 
 # prefill (several row tiles, Lq == S for row 0) and a chunk after a crop, with a sliding window
@@ -398,75 +399,65 @@ def test_recent_window_mutation_is_detected():
     ([300, 9], 16, 4, 32),  # 64 query rows at head_dim 32: the row tile the H200 needs (<= 32)
     ([700], 1, 8, 128),  # decode: many splits on 132 SMs
 ])
-def test_gpu_launch_choices_match_reference(monkeypatch, lens, q_len, group, head_dim):
-    from tq_hf.kernels import attention as attention_kernel
+def test_gpu_launch_choices_match_reference(lens, q_len, group, head_dim):
+    gpu_tiles = DeviceTraits(num_sms=132, runs_ptx=False, tuned_for_gpu=True)  # the interpreter runs no PTX
+    _check(make_layout("4bit", 2, head_dim), lens, q_len, group, device_traits=gpu_tiles)
 
-    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
-    _check(make_layout("4bit", 2, head_dim), lens, q_len, group)
-
-def _capture_gpu_launch(monkeypatch) -> dict:
-    """Make launches on the CPU take an H200's choices (PTX included) and capture, not run, them:
-    the returned dict fills with the kernel's constants and BLOCK_N at the next launch. The unified kernel's
-    choices: decode_warps' one-warp kernel only where tuning asks (its choices: test_kernel_decode_warps.py)."""
-    from tq_hf.kernels import attention as attention_kernel, decode_warps
-
-    seen = {}
-    monkeypatch.setattr(attention_kernel, "_tuned_for_gpu", lambda device: True)
-    monkeypatch.setattr(attention_kernel, "_runs_ptx", lambda device: True)
-    monkeypatch.setattr(attention_kernel, "_launch", lambda grid, args, constants, bn, stages, kernel=None: seen.update(
-        constants, BLOCK_N=bn, STAGES=stages, GRID=grid, KERNEL=kernel or attention_kernel._attn_kernel))
-    monkeypatch.setattr(attention_kernel, "reduce_site", lambda *a, **k: lambda *args: None)
-    monkeypatch.setattr(decode_warps, "wanted", lambda tuning, *args: bool(tuning.get("warp_split")))
-    return seen
+def _gpu_launch(*args, **kw) -> dict:
+    """The launch an H200 makes for unified_attention(*args, **kw) (here on CPU tensors), planned, not run (the
+    interpreter runs no PTX): the kernel's constexprs with BLOCK_N, STAGES, GRID and KERNEL. The unified kernel's
+    choices: decode_warps' one-warp kernel only where the launch asks (its choices: test_kernel_decode_warps.py)."""
+    kw.pop("recent_from", None)
+    kw.setdefault("launch", LaunchConfig(warp_split=False))
+    plan = plan_attention(*args, device_traits=H200, **kw)
+    return {**plan.constants, "BLOCK_N": plan.block_n, "STAGES": plan.num_stages, "GRID": plan.grid,
+            "KERNEL": plan.kernel}
 
 
 @pytest.mark.parametrize("preset,batch,splits", [
     ("4bit", 1, 64), ("4bit", 2, 32), ("4bit", 4, 16), ("4bit", 8, 8), ("4bit", 16, 4),  # 3 waves of the H200's
     # 132 SMs, a power of two, of half the programs (two KV heads per program)
-    ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves (H200 sweep, gpu_checks/session7)
-    # split also once every SM has a program (gpu_checks/session19, call 8), until the programs fill the waves
+    ("k8v4", 1, 64), ("k8v4", 4, 16), ("k8v4", 16, 4),  # FP8 keys: 4 waves
+    # split also once every SM has a program, until the programs fill the waves
     ("k8v4", 32, 2), ("k8v4", 64, 2), ("k3v4", 24, 2), ("k3v4", 64, 1),
 ])
-def test_gpu_decode_split_counts(monkeypatch, preset, batch, splits):
+def test_gpu_decode_split_counts(preset, batch, splits):
     """The split count the launcher picks for S=32k decode on an H200 (captured, not launched)."""
-    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout(preset, 8, 128)
     table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
     q = torch.randn(batch, 32, 1, 128, dtype=torch.float16)
-    unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
-                      max_seq_len=32768)
+    seen = _gpu_launch(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088,
+                       max_seq_len=32768)
     assert seen["GRID"] == (splits, 4 if preset == "4bit" else 8, batch) and seen["SPLIT"] == (splits > 1)
     assert seen["num_warps"] == 4
-    if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits (gpu_checks/session15)
-        seen.clear()
+    if preset == "4bit" and batch == 4:  # with the levers the same head pairs and splits
         lever_layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
-        unified_attention(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
-                          max_seq_len=32768, key_offset=torch.zeros(8, 128))
+        seen = _gpu_launch(q, lever_layout.allocate(1, "cpu"), lever_layout, table, torch.full((batch,), 32768), 0.088,
+                           max_seq_len=32768, key_offset=torch.zeros(8, 128))
         assert seen["GRID"] == (16, 4, batch) and seen["num_warps"] == 4
 
 
 @pytest.mark.parametrize("preset,batch,q_len,lookup,block_n,maxnreg", [
-    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program (plain format): 168 registers (session14)
+    ("4bit", 16, 1, True, 128, 168),  # two KV heads per program (plain format): 168 registers
     ("4bit", 4, 1, True, 128, 168),
     ("4bit", 2, 1, True, 128, 168),
     ("4bit", 1, 1, True, 128, 168),
     ("4bit", 16, 100, False, 64, None),  # prefill tiles keep the gather (the lookup is measured for decode)
     ("k8v4", 16, 1, False, 128, 128),  # FP8 keys need no lookup; 128 registers when the batch fills the GPU
-    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads (gpu_checks/session10)
-    ("k8v4", 2, 1, False, 128, 128),  # and below since the value sums from zero (gpu_checks/session18/call10)
+    ("k8v4", 4, 1, False, 128, 128),  # from 4 x 8 KV heads
+    ("k8v4", 2, 1, False, 128, 128),  # and below since the value sums from zero
     ("k3v4", 16, 1, True, 128, 128),  # 3-bit keys: the lookup reads the code planes (layout.py); capped
     ("k3v4", 1, 1, True, 128, None),
     ("3bit", 16, 1, True, 128, 168),  # 3-bit values (value planes) next to the key planes: plain in 168
 ])
 @pytest.mark.parametrize("head_dim", [128, 64])
-def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
+def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, maxnreg, head_dim):
     """What the launcher picks on an H200 (captured, not launched: the interpreter runs no PTX)."""
-    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout(preset, 8, head_dim)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
-    unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
-    if head_dim != 128:  # head_dim 64 (9/3/64 sweeps, gpu_checks/session16): 4-bit decode by the code words in 168
+    seen = _gpu_launch(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
+    if head_dim != 128:  # head_dim 64 (9/3/64 sweeps): 4-bit decode by the code words in 168
         # registers on 256-token tiles; FP8 keys uncapped in the plain format; 3-bit keys gathered (no planes at 64)
         lookup = preset == "4bit" and q_len == 1
         maxnreg = 168 if lookup else None
@@ -474,7 +465,7 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     # two KV heads per program: 4-bit lookup decode (any batch; the levers too, below)
     head_pairs = lookup and preset == "4bit" and head_dim == 128
-    assert (seen["HP"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
+    assert (seen["HEADS_PER_PROGRAM"], seen["GRID"][1]) == ((2, 4) if head_pairs else (1, 8)), seen
     assert seen["num_warps"] == 4, seen
     # 4-bit keys as 16-bit code words (key_lut.lut_words_asm: one asm, LUT_HI unused); 3-bit planes by byte tables
     key_words = head_pairs or (lookup and preset == "4bit" and (batch >= 16 or head_dim == 64))  # measured there
@@ -494,53 +485,47 @@ def test_gpu_decode_key_lookup_choices(monkeypatch, preset, batch, q_len, lookup
     pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
     if head_dim == 64:  # there the 4-bit code words' decode and FP8 keys', when the batch leaves SMs free
         pairs = q_len == 1 and batch < 16 and preset in ("4bit", "k8v4")
-    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64, gpu_checks/session13);
+    # else each token's metadata from its pair's word: decode at head_dim 128 (slower at 64);
     # with them v_mid prefetched; for codebook keys the block-table entries an iteration ahead, 3 stages
     meta_words = not pairs and q_len == 1 and head_dim == 128
     bt_next = meta_words and preset != "k8v4"
     assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"]) == (meta_words, meta_words, bt_next), seen
     assert (seen["META_PAIRS"], seen["STAGES"]) == (pairs, 3 if pairs or bt_next else 2), seen
-    seen.clear()
     if meta_words:  # with centering + value rotation (the cache's defaults): head pairs keep the block-table
-        # prefetch and 3 stages (gpu_checks/session15/call1); one head per program does without (2 stages)
+        # prefetch and 3 stages; one head per program does without (2 stages)
         opts = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         pool_o, table_o = fill_cache(opts, [64] * batch, "cpu")
-        unified_attention(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          key_offset=torch.zeros(batch, 8, head_dim))
+        seen = _gpu_launch(q, pool_o, opts, table_o, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                           key_offset=torch.zeros(batch, 8, head_dim))
         assert (seen["META_WORDS"], seen["VMID_CHAIN"], seen["BT_NEXT"], seen["STAGES"]) == (
             True, True, head_pairs, 3 if head_pairs else 2), seen
-        assert (seen["KEY_WORDS"], seen["HP"]) == (key_words, 2 if head_pairs else 1), seen
-        assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped (session15/call6)
-        seen.clear()
+        assert (seen["KEY_WORDS"], seen["HEADS_PER_PROGRAM"]) == (key_words, 2 if head_pairs else 1), seen
+        assert not head_pairs or seen.get("maxnreg") is None, seen  # pairs with the levers uncapped
     if key_words:  # the exact prefix too: head pairs (one head per program measured no gain from the code words) at
-        # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers (gpu_checks/session16/call5)
+        # head_dim 128; at 64 one head per program, 256-token tiles, 168 registers
         pre = make_layout(preset, 8, head_dim, exact_prefix_tokens=4)
         pool_p, table_p = fill_cache(pre, [64] * batch, "cpu")
         pk = torch.randn(batch, 8, 4, head_dim, dtype=torch.float16)
-        unified_attention(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk, prefix_values=pk)
-        assert (seen["KEY_WORDS"], seen["HP"], seen["EXACT_16"]) == (True, 2 if head_dim == 128 else 1, False), seen
+        seen = _gpu_launch(q, pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                           prefix_keys=pk, prefix_values=pk)
+        assert (seen["KEY_WORDS"], seen["HEADS_PER_PROGRAM"], seen["EXACT_16"]) == (True, 2 if head_dim == 128 else 1, False), seen
         assert head_dim == 128 or (seen["BLOCK_N"], seen["maxnreg"]) == (256, 168), seen  # fp32 query: 3 tf32 passes
-        seen.clear()
-        unified_attention(q.half(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk, prefix_values=pk)
+        seen = _gpu_launch(q.half(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                           prefix_keys=pk, prefix_values=pk)
         assert seen["EXACT_16"] is True, seen  # the query's and the buffers' dtype: 16-bit dots
-        seen.clear()
-        unified_attention(q.bfloat16(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
-                          prefix_keys=pk.bfloat16(), prefix_values=pk.bfloat16())
+        seen = _gpu_launch(q.bfloat16(), pool_p, pre, table_p, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768,
+                           prefix_keys=pk.bfloat16(), prefix_values=pk.bfloat16())
         assert seen["EXACT_16"] is True, seen  # bf16 too on a GPU (the interpreter's bf16 dots are broken)
-        seen.clear()
-    unified_attention(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, tuning={"key_lut": False})
+    seen = _gpu_launch(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, launch=LaunchConfig(key_lut=False))
     assert seen["KEY_LUT"] is False
 
 
 @pytest.mark.parametrize("exact", ["prefix", "recent", None])
 @pytest.mark.parametrize("batch", [16, 1])
-def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
+def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
     """What the launcher picks on an H200 with exact prefix/ring buffers: 128-token tiles and two KV
-    heads per program as without them (gpu_checks/session15/call2), uncapped (in 168 registers, the plain format's
-    cap, their state spilled through the walk: gpu_checks/session15/call6)."""
-    seen = _capture_gpu_launch(monkeypatch)
+    heads per program as without them, uncapped (in 168 registers, the plain format's
+    cap, their state spilled through the walk)."""
     layout = make_layout("4bit", 8, 128)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     kw = {}
@@ -548,56 +533,51 @@ def test_gpu_decode_tiles_with_exact_buffers(monkeypatch, exact, batch):
         kw["prefix_keys"], kw["prefix_values"] = exact_prefix(layout, batch, 4, torch.float32, "cpu")
     elif exact == "recent":
         kw["recent_keys"], kw["recent_values"] = recent_ring(layout, batch, 16, torch.float32, "cpu")
-    unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
-                      max_seq_len=32768, **kw)
-    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == (128, None if exact else 168, 2), seen
-    seen.clear()
+    seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
+                       max_seq_len=32768, **kw)
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HEADS_PER_PROGRAM"]) == (128, None if exact else 168, 2), seen
     # S=32k: split decode; a batch that fills the GPU has no exact program (the last split walks the ring: its tiles
-    # shared out over the splits measured slower, gpu_checks/session16/call2)
+    # shared out over the splits measured slower)
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
-    unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, long_table, torch.full((batch,), 32768), 0.1,
-                      max_seq_len=32768, **kw)
+    seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, long_table, torch.full((batch,), 32768), 0.1,
+                       max_seq_len=32768, **kw)
     assert (seen["SPLIT"], seen["EXACT_PROG"]) == (True, exact is not None and batch == 1), seen
-    seen.clear()
-    unified_attention(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
-                      max_seq_len=32768, tuning={"head_pairs": 1}, **kw)  # one head: capped when the batch fills the GPU
+    seen = _gpu_launch(torch.randn(batch, 32, 1, 128), pool, layout, table, torch.full((batch,), 65), 0.1,
+                       max_seq_len=32768, launch=LaunchConfig(head_pairs=1), **kw)  # one head: capped when the batch fills the GPU
     want = (128 if exact or batch == 16 else 256, 128 if batch == 16 else None, 1)  # plain B=1: 256-token tiles
-    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HP"]) == want, seen
+    assert (seen["BLOCK_N"], seen.get("maxnreg"), seen["HEADS_PER_PROGRAM"]) == want, seen
 
 
 @pytest.mark.parametrize("batch", [1, 2, 4, 16])
-def test_gpu_fp8_keys_capped_with_the_levers(monkeypatch, batch):
+def test_gpu_fp8_keys_capped_with_the_levers(batch):
     """FP8 keys run in 128 registers at any batch on an H200: with value rotation and the exact buffers (k8v4's
-    defaults; B=1 0.0467 -> 0.0435 ms, gpu_checks/session15/call4) and in the plain format (B=1 S=32k uncapped since
-    the tile's value sums from zero: 0.0405 vs 0.0323, gpu_checks/session18/call10). Their exact program walks the
-    ring in 16-token tiles (gpu_checks/session16/call7)."""
-    seen = _capture_gpu_launch(monkeypatch)
+    defaults; B=1 0.0467 -> 0.0435 ms) and in the plain format (B=1 S=32k uncapped since
+    the tile's value sums from zero: 0.0405 vs 0.0323). Their exact program walks the
+    ring in 16-token tiles."""
     for levers in (True, False):
         layout = make_layout("k8v4", 8, 128, value_rotation=levers)
         pool, table = fill_cache(layout, [64] * batch, "cpu")
         kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu"))) if levers else {}
-        unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
-                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        seen = _gpu_launch(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, table,
+                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         assert seen.get("maxnreg") == 128, (levers, seen)
-        seen.clear()
     # S=32k with the ring too: the exact program (batches that leave SMs free) walks it in 16-token tiles up to 2 x 8
-    # KV heads (at 4 x 8 slower, gpu_checks/session16/call8)
+    # KV heads (at 4 x 8 slower)
     layout = make_layout("k8v4", 8, 128, value_rotation=True)
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     ring = recent_ring(layout, batch, 128, torch.float16, "cpu")
     long_table = torch.nn.functional.pad(table, (0, 32768 // layout.block_size - table.shape[1]))
-    unified_attention(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, long_table,
-                      torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
-    assert (seen["EXACT_PROG"], seen["RN"]) == (batch < 16, 16 if batch <= 2 else 32), seen
+    seen = _gpu_launch(torch.randn(batch, 32, 1, 128, dtype=torch.float16), pool, layout, long_table,
+                       torch.full((batch,), 32768), 0.1, max_seq_len=32768, recent_keys=ring[0], recent_values=ring[1])
+    assert (seen["EXACT_PROG"], seen["RING_TILE"]) == (batch < 16, 16 if batch <= 2 else 32), seen
 
 
 @pytest.mark.parametrize("batch", [1, 16, 48])
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
-def test_gpu_head_dim_64_decode_choices(monkeypatch, preset, batch):
+def test_gpu_head_dim_64_decode_choices(preset, batch):
     """SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) on an H200: 4-bit keys by the code words on
     256-token tiles in 168 registers, FP8 keys uncapped (128 registers with the levers); both with token-pair
-    metadata while the batch leaves SMs free (2 x 48 x 3 KV heads fill the H200's 132; gpu_checks/session16)."""
-    seen = _capture_gpu_launch(monkeypatch)
+    metadata while the batch leaves SMs free (2 x 48 x 3 KV heads fill the H200's 132)."""
     for levers in (False, True):
         layout = make_layout(preset, 3, 64, key_centering=levers, value_rotation=levers)
         pool, table = fill_cache(layout, [64] * batch, "cpu")
@@ -606,70 +586,65 @@ def test_gpu_head_dim_64_decode_choices(monkeypatch, preset, batch):
             kw = dict(zip(("prefix_keys", "prefix_values"), exact_prefix(layout, batch, 4, torch.float16, "cpu")))
             kw.update(zip(("recent_keys", "recent_values"), recent_ring(layout, batch, 128, torch.float16, "cpu")),
                       recent_from=0, key_offset=torch.zeros(batch, 3, 64))
-        unified_attention(torch.randn(batch, 9, 1, 64, dtype=torch.float16), pool, layout, table,
-                          torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        seen = _gpu_launch(torch.randn(batch, 9, 1, 64, dtype=torch.float16), pool, layout, table,
+                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
         words = preset == "4bit"
         want = (words, words, 256 if words else 128, 168 if words else (128 if levers and batch < 48 else None),
                 batch < 48, 1)
-        got = (seen["KEY_LUT"], seen["KEY_WORDS"], seen["BLOCK_N"], seen.get("maxnreg"), seen["META_PAIRS"], seen["HP"])
+        got = (seen["KEY_LUT"], seen["KEY_WORDS"], seen["BLOCK_N"], seen.get("maxnreg"), seen["META_PAIRS"], seen["HEADS_PER_PROGRAM"])
         assert got == want, (levers, seen)
-        seen.clear()
 
 
-def test_gpu_value_planes_in_64_row_tiles(monkeypatch):
+def test_gpu_value_planes_in_64_row_tiles():
     """3-bit value planes: a prefill takes 64-row tiles on a GPU (there 2 accumulators, _value_plane_bytes);
     forcing the 4-bit value words onto 3-bit values is refused with the reason."""
-    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("3bit", 2, 128)
     pool, table = fill_cache(layout, [40], "cpu")
-    unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1)
+    seen = _gpu_launch(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1)
     assert seen["VALUE_PLANES"] is True and seen["BLOCK_M"] == 64, seen
     with pytest.raises(ValueError, match="value_words=True needs 4-bit values, got 3-bit"):
-        unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                          tuning={"value_words": True})
+        _gpu_launch(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                    launch=LaunchConfig(value_words=True))
 
 
 @pytest.mark.parametrize("preset,q_len,hadamard", [
     ("4bit", 1, True), ("4bit", 40, True), ("k8v4", 40, True), ("k3v4", 1, True), ("3bit", 1, True),
-    ("k3v4", 40, False), ("3bit", 40, False),  # 3-bit keys in 64-row tiles: the GPU tests failed (session 12 call 4)
+    ("k3v4", 40, False), ("3bit", 40, False),  # 3-bit keys in 64-row tiles: the GPU tests failed
 ])
-def test_gpu_hadamard_choices(monkeypatch, preset, q_len, hadamard):
+def test_gpu_hadamard_choices(preset, q_len, hadamard):
     """Where a GPU builds the Hadamard rotations in registers (rotation="hadamard") and where it reads R."""
-    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout(preset, 2, 128, value_rotation=True)
     pool, table = fill_cache(layout, [40], "cpu")
-    unified_attention(torch.randn(1, 8, q_len, 128), pool, layout, table, torch.tensor([40]), 0.1)
+    seen = _gpu_launch(torch.randn(1, 8, q_len, 128), pool, layout, table, torch.tensor([40]), 0.1)
     assert seen["HADAMARD"] is hadamard and (seen["BLOCK_M"] == 64) == (q_len > 1), seen
     layout = make_layout(preset, 2, 96, value_rotation=True)  # rotation="random": always read
     pool, table = fill_cache(layout, [40], "cpu")
-    unified_attention(torch.randn(1, 8, q_len, 96), pool, layout, table, torch.tensor([40]), 0.1)
+    seen = _gpu_launch(torch.randn(1, 8, q_len, 96), pool, layout, table, torch.tensor([40]), 0.1)
     assert seen["HADAMARD"] is False, seen
 
 
 @pytest.mark.parametrize("options,maxnreg", [(False, 168), (True, 128)])
-def test_gpu_three_bit_register_caps(monkeypatch, options, maxnreg):
+def test_gpu_three_bit_register_caps(options, maxnreg):
     """The 3bit preset's planes at B=16 on an H200: the plain format in 168 registers, with centering and
-    value rotation in 128 (measured each way, gpu_checks/session11/call7)."""
-    seen = _capture_gpu_launch(monkeypatch)
+    value rotation in 128 (measured each way)."""
     layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
     pool, table = fill_cache(layout, [64] * 16, "cpu")
     kw = {"key_offset": torch.zeros(8, 128)} if options else {}
-    unified_attention(torch.randn(16, 32, 1, 128), pool, layout, table, torch.full((16,), 65), 0.1,
-                      max_seq_len=32768, **kw)
+    seen = _gpu_launch(torch.randn(16, 32, 1, 128), pool, layout, table, torch.full((16,), 65), 0.1,
+                       max_seq_len=32768, **kw)
     assert seen.get("maxnreg") == maxnreg, seen
 
 
-def test_gpu_value_words_refused_where_unverified(monkeypatch):
+def test_gpu_value_words_refused_where_unverified():
     """Forcing the 16-bit value words onto a 64-row (wgmma) tile is refused with the reason; a decode
     tile takes them."""
-    seen = _capture_gpu_launch(monkeypatch)
     layout = make_layout("4bit", 2, 128)
     pool, table = fill_cache(layout, [40], "cpu")
     with pytest.raises(ValueError, match="value_words=True needs row tiles of <= 32 rows"):
-        unified_attention(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                          tuning={"value_words": True})
-    unified_attention(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
-                      tuning={"value_words": True})
+        _gpu_launch(torch.randn(1, 8, 40, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                    launch=LaunchConfig(value_words=True))
+    seen = _gpu_launch(torch.randn(1, 8, 1, 128), pool, layout, table, torch.tensor([40]), 0.1,
+                       launch=LaunchConfig(value_words=True))
     assert seen["VALUE_WORDS"] is True
 
 
@@ -699,17 +674,16 @@ def test_decode_32k_gpu(preset, dtype, block_size):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": None},
+@pytest.mark.parametrize("tuning", [{}, {"key_lut": False}, {"block_n": 256, "maxnreg": 0},
                                     {"block_n": 64, "maxnreg": 128}, {"pool32": False}, {"head_pairs": 1},
-                                    {"head_pairs": 1, "key_words": False, "maxnreg": 128},
-                                    {"head_pairs": 4, "num_stages": 2, "maxnreg": None}])
+                                    {"head_pairs": 1, "key_words": False, "maxnreg": 128}])
 def test_decode_key_lookup_variants_gpu(tuning):
     """16 sequences x 8 KV heads (the launcher's head pairs in 168 registers) and the other variants of 4-bit
     key decoding against the reference: the code words' byte magnitudes, the byte-code lookup, the gather, tile
-    lengths, int64 addresses, one head per program, four (2 stages, uncapped: 92 KB of shared memory, sm_90a)."""
+    lengths, int64 addresses, one head per program."""
     layout = make_layout("4bit", 8, 128)
     lens = [8192 - 37 * i for i in range(16)]
-    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, tuning=tuning)
+    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, launch=LaunchConfig(**tuning))
 
 
 @pytest.mark.gpu
@@ -870,37 +844,37 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
     variant that fits is remembered (one launch afterwards)."""
     import triton.runtime.errors
 
-    from tq_hf.kernels import attention as attention_kernel
+    from tq_hf.kernels import launch
 
     launches = []
 
     class FakeKernel:
         def __getitem__(self, grid):
             def launch(*args, BLOCK_N, num_stages, **constants):
-                launches.append((BLOCK_N, num_stages, constants.get("RN")))
-                if BLOCK_N > 32 or constants.get("RN", 0) > 16:
+                launches.append((BLOCK_N, num_stages, constants.get("RING_TILE")))
+                if BLOCK_N > 32 or constants.get("RING_TILE", 0) > 16:
                     raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")
             return launch
 
-    monkeypatch.setattr(attention_kernel, "_attn_kernel", FakeKernel())
-    monkeypatch.setattr(attention_kernel, "_FITTED", {})
+    kernel = FakeKernel()
+    monkeypatch.setattr(launch, "_FITTED", {})
     constants = {"D": 128, "KEY_BITS": 3}
-    attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
+    launch.launch_fitting(kernel, (1, 1, 1), (), constants, 128, 2)
     assert launches == [(128, 2, None), (128, 1, None), (64, 1, None), (32, 1, None)]
     launches.clear()
-    attention_kernel._launch((1, 1, 1), (), constants, 128, 2)
+    launch.launch_fitting(kernel, (1, 1, 1), (), constants, 128, 2)
     assert launches == [(32, 1, None)]
     launches.clear()
     with pytest.raises(triton.runtime.errors.OutOfResources):  # nothing fits: the last error surfaces
-        attention_kernel._launch((1, 1, 1), (), {"D": 256}, 512, 2)
+        launch.launch_fitting(kernel, (1, 1, 1), (), {"D": 256}, 512, 2)
     assert launches == [(512, 2, None), (512, 1, None), (256, 1, None), (128, 1, None)]
     launches.clear()
-    ring = {"D": 128, "HAS_RECENT": True, "RN": 64}  # the ring tile shrinks after the KV tiles
-    attention_kernel._launch((1, 1, 1), (), ring, 64, 2)
+    ring = {"D": 128, "HAS_RECENT": True, "RING_TILE": 64}  # the ring tile shrinks after the KV tiles
+    launch.launch_fitting(kernel, (1, 1, 1), (), ring, 64, 2)
     tiles = [(64, 2), (64, 1), (32, 1), (16, 1)]
     assert launches == [(bn, st, rn) for rn in (64, 32) for bn, st in tiles] + [(64, 2, 16), (64, 1, 16), (32, 1, 16)]
     launches.clear()
-    attention_kernel._launch((1, 1, 1), (), ring, 64, 2)
+    launch.launch_fitting(kernel, (1, 1, 1), (), ring, 64, 2)
     assert launches == [(32, 1, 16)]
 
 
@@ -914,8 +888,8 @@ def test_decode_value_paths(value_words, preset, options):
     layout = make_layout(preset, 2, 64, key_centering=options, value_rotation=options)
     kw = _fidelity_options(layout, 4) if options else {}
     _check(layout, [70, 33], 1, 4, prefix_len=4, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
-           num_splits=3, tuning={"value_words": value_words}, **kw)
-    _check(layout, [70, 33], 2, 4, tuning={"value_words": value_words}, **kw)
+           num_splits=3, launch=LaunchConfig(value_words=value_words), **kw)
+    _check(layout, [70, 33], 2, 4, launch=LaunchConfig(value_words=value_words), **kw)
 
 
 # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators of D/4 coordinates
@@ -949,11 +923,11 @@ def _check_decode_walks(layout, options: bool, tuning: dict) -> None:
     """Decode variants of one format: odd kv_start with splits (a softcap, or the format options), two query
     positions with a window at GQA 3, and with the options the exact prefix and ring."""
     kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
-    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, **kw)
-    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), launch=LaunchConfig(**tuning), **kw)
+    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), launch=LaunchConfig(**tuning))
     if options:
         _check(layout, [71, 34], 1, 4, prefix_len=3, recent=(16, 0), kv_start=torch.tensor([3, 0], device=DEVICE),
-               num_splits=3, tuning=tuning, **kw)
+               num_splits=3, launch=LaunchConfig(**tuning), **kw)
 
 
 # 4-bit keys as 16-bit code words, 4 dots over coordinate sets (a GPU's lookup layout; gathered here): odd kv_start,
@@ -982,11 +956,11 @@ def test_head_pairs_decode(head_dim, meta_words):
     layout = make_layout("4bit", 2, head_dim, 16)
     tuning = {"key_words": True, "head_pairs": 2} | ({"meta_words": True, "vmid_chain": True, "bt_next": True}
                                                      if meta_words else {})
-    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, softcap=5.0)
-    _check(layout, [71, 34], 1, 4, tuning=tuning)
-    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
-    _check(layout, [50], 1, 8, num_splits=2, tuning=tuning, sinks=torch.randn(16, device=DEVICE))
-    _check(make_layout("4bit", 4, head_dim, 16), [71, 34], 1, 2, num_splits=3, tuning=tuning)
+    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), launch=LaunchConfig(**tuning), softcap=5.0)
+    _check(layout, [71, 34], 1, 4, launch=LaunchConfig(**tuning))
+    _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), launch=LaunchConfig(**tuning))
+    _check(layout, [50], 1, 8, num_splits=2, launch=LaunchConfig(**tuning), sinks=torch.randn(16, device=DEVICE))
+    _check(make_layout("4bit", 4, head_dim, 16), [71, 34], 1, 2, num_splits=3, launch=LaunchConfig(**tuning))
 
 
 # head pairs under the format options (a GPU's default for the 4bit preset): each row its KV head's key mean, value
@@ -1000,10 +974,10 @@ def test_head_pairs_with_format_options(head_dim, block_size, exact_program):
     _check_decode_walks(layout, True, tuning)
     wide = make_layout("4bit", 4, head_dim, block_size, key_centering=True, value_rotation=True)
     kw = _fidelity_options(wide, 2) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
-    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, tuning=tuning, **kw)
-    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(32, 20), tuning=tuning, **kw)
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, launch=LaunchConfig(**tuning), **kw)
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(32, 20), launch=LaunchConfig(**tuning), **kw)
     # with a softcap q . mu joins each score before the cap (not the row offset)
-    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=2, softcap=5.0, tuning=tuning, **kw)
+    _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=2, softcap=5.0, launch=LaunchConfig(**tuning), **kw)
 
 
 def test_head_pairs_refuses_what_it_cannot_pair():
@@ -1013,36 +987,9 @@ def test_head_pairs_refuses_what_it_cannot_pair():
         qh = q[:, : layout.num_kv_heads * 2]
         with pytest.raises(ValueError, match="head_pairs=2 needs decode"):
             unified_attention(qh, pool, layout, table, torch.tensor([41], device=DEVICE), 0.1,
-                              tuning={"head_pairs": 2, "key_words": layout.config.key_bits == 4})
-    with pytest.raises(ValueError, match="head_pairs must be 1, 2 or 4"):
-        layout = make_layout("4bit", 2, 64)
-        pool, table = fill_cache(layout, [40], DEVICE)
-        unified_attention(q[:, :4], pool, layout, table, torch.tensor([41], device=DEVICE), 0.1, tuning={"head_pairs": 3})
-    quads = {"head_pairs": 4, "key_words": True}
-    for heads, group, q_len in ((2, 2, 1), (4, 8, 1), (4, 2, 3)):  # 2 KV heads; 8 or 6 rows of a head (> 4)
-        layout = make_layout("4bit", heads, 64)
-        pool, table = fill_cache(layout, [40], DEVICE)
-        with pytest.raises(ValueError, match="head_pairs=4 needs decode \\(<= 4 rows per KV head"):
-            unified_attention(torch.randn(1, heads * group, q_len, 64, device=DEVICE), pool, layout, table,
-                              torch.tensor([41], device=DEVICE), 0.1, tuning=quads)
-
-
-# four KV heads per program (head_pairs=4, a tuning: rows 0-3, 4-7, 8-11, 12-15 of the 16-row tile), as the pairs'
-# tests: masked and causal tiles, splits, windows, sinks, softcap, Lq 2, 8 KV heads, the format options with the
-# exact prefix and ring in split programs and in an exact program of their own
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_head_quads_decode(head_dim):
-    tuning = {"key_words": True, "head_pairs": 4, "meta_words": True, "vmid_chain": True, "bt_next": True}
-    layout = make_layout("4bit", 4, head_dim, 16)
-    _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), tuning=tuning, softcap=5.0)
-    _check(layout, [71, 34], 2, 2, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), tuning=tuning)
-    _check(layout, [50], 1, 3, num_splits=2, tuning=tuning, sinks=torch.randn(12, device=DEVICE))
-    _check(make_layout("4bit", 8, head_dim, 16), [71, 34], 1, 4, tuning=tuning)
-    opts = make_layout("4bit", 4, head_dim, 16, key_centering=True, value_rotation=True)
-    kw = _fidelity_options(opts, 4) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}
-    for exact_program in (False, True):
-        _check(opts, [71, 40], 1, 4, prefix_len=4, recent=(16, 0), num_splits=3,
-               tuning=tuning | {"exact_program": exact_program}, **kw)
+                              launch=LaunchConfig(head_pairs=2, key_words=layout.config.key_bits == 4))
+    with pytest.raises(ValueError, match="head_pairs must be 1 or 2, got 3"):
+        LaunchConfig(head_pairs=3)
 
 
 def test_key_words_refuses_what_it_cannot_decode():
@@ -1052,7 +999,7 @@ def test_key_words_refuses_what_it_cannot_decode():
         q = torch.randn(1, 2, q_len, head_dim, device=DEVICE)
         with pytest.raises(ValueError, match="key_words=True needs decode"):
             unified_attention(q, pool, layout, table, torch.tensor([40 + q_len], device=DEVICE), 0.1,
-                              tuning={"key_words": True})
+                              launch=LaunchConfig(key_words=True))
 
 
 # what a GPU's decode at head_dim 128 takes: the pair words, v_mid prefetched, block-table entries an iteration
@@ -1061,13 +1008,13 @@ def test_key_words_refuses_what_it_cannot_decode():
 def test_meta_words_decode_at_head_dim_128(preset):
     layout = make_layout(preset, 2, 128)
     tuning = {"meta_words": True, "vmid_chain": True, "bt_next": True}
-    _check(layout, [71, 34], 1, 4, num_splits=2, kv_start=torch.tensor([0, 3], device=DEVICE), tuning=tuning)
+    _check(layout, [71, 34], 1, 4, num_splits=2, kv_start=torch.tensor([0, 3], device=DEVICE), launch=LaunchConfig(**tuning))
 
 
 # Long walks on the GPU: 4 splits of 32k positions per sequence (decode, both decode kernels) and a 64-query chunk
 # (prefill tiles) at the end of 128k, zero-mean values (their average is ~100x smaller than they are). With the
 # value sums chained through the MMA's accumulator (which rounds toward zero), the error grew with the walk's
-# length: 1-5% here, 42% for the chunk (H200, gpu_checks/session18, call 7); attention._rescaled_dot.
+# length: 1-5% here, 42% for the chunk (H200); softmax.rescaled_dot.
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("preset,tuning,q_len,num_splits", [
@@ -1086,6 +1033,6 @@ def test_long_walk_accuracy_gpu(preset, tuning, q_len, num_splits):
     want = torch.cat([reference.paged_attention(query[i:i + 1].float(), pool, layout, table[i:i + 1],
                                                 seq_lens[i:i + 1], scale) for i in range(2)])
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=torch.full_like(query, float("nan")),
-                            num_splits=num_splits, tuning=tuning)
+                            num_splits=num_splits, launch=LaunchConfig(**tuning))
     err, tol = rel_error(got, want), attention_tolerance(torch.float16, want)
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({preset}, tuning {tuning}, Lq={q_len})"

@@ -1,7 +1,7 @@
 """decode_warps.py (one-warp split decode) against reference.paged_attention on the same packed cache.
 
-On the CPU the kernel runs under the interpreter with its gather path (tuning warp_split=True); its launch
-choice is checked as an H200 would make it; on a GPU (marker gpu) the asm path at real sizes. Tolerance as
+On the CPU the kernel runs under the interpreter with its gather path (LaunchConfig warp_split=True); its launch
+choice is checked as an H200 would plan it; on a GPU (marker gpu) the asm path at real sizes. Tolerance as
 test_kernel_attention.py: relative Frobenius error <= 1e-3 plus the output dtype's rounding; outputs and the
 split workspace are poisoned with NaN first.
 """
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from tq_hf import reference
-from tq_hf.kernels import decode_warps, unified_attention
+from tq_hf.kernels import LaunchConfig, decode_warps, device_traits, plan_attention, unified_attention, warp_plan
+from tq_hf.kernels.device import H200
 
 from kernel_helpers import DEVICE, attention_tolerance, default_scale, fill_cache, make_layout, rel_error
 
-WARPS = {"warp_split": True}
+WARPS = LaunchConfig(warp_split=True)
 
 
 def _check(layout, lens, group, q_len=1, dtype=torch.float16, device=DEVICE, scale_query=1.0, **kw):
@@ -29,7 +30,7 @@ def _check(layout, lens, group, q_len=1, dtype=torch.float16, device=DEVICE, sca
     workspace = torch.full((1 << 20,), float("nan"), device=device)
     out = torch.full_like(query, float("nan"))
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=out, workspace=workspace,
-                            tuning={**WARPS, **kw.pop("tuning", {})}, **kw)
+                            launch=WARPS, **kw)
     assert got is out and got.isfinite().all()
     err, tol = rel_error(got, want), attention_tolerance(dtype, want)
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({layout.config}, lens={lens}, Lq={q_len}, G={group})"
@@ -87,21 +88,12 @@ def test_warp_decode_refuses_what_it_cannot_run(preset, heads, group, q_len, opt
     if extra.get("sinks"):
         extra = {"sinks": torch.zeros(heads * group)}
     with pytest.raises(ValueError, match=f"warp_split=True needs .*{need}"):
-        unified_attention(query, pool, layout, table, torch.tensor([40]), 0.1, tuning=WARPS, **extra)
+        unified_attention(query, pool, layout, table, torch.tensor([40]), 0.1, launch=WARPS, **extra)
 
 
-def _capture(monkeypatch) -> dict:
-    """Launches on the CPU take an H200's choices (PTX included), captured, not run."""
-    from tq_hf.kernels import attention
-
-    seen = {}
-    monkeypatch.setattr(attention, "_tuned_for_gpu", lambda device: True)
-    monkeypatch.setattr(attention, "_runs_ptx", lambda device: True)
-    monkeypatch.setattr(attention, "_num_sms", lambda device: 132)
-    monkeypatch.setattr(attention, "_launch", lambda grid, args, constants, bn, stages, kernel=None: seen.update(
-        constants, BLOCK_N=bn, STAGES=stages, GRID=grid, KERNEL=kernel))
-    monkeypatch.setattr(attention, "reduce_site", lambda *a, **k: lambda *args: None)
-    return seen
+def _h200_plan(*args, **kw):
+    """The plan an H200 makes for unified_attention(*args, **kw) on these CPU tensors (planned, not run)."""
+    return plan_attention(*args, device_traits=H200, **kw)
 
 
 @pytest.mark.parametrize("batch,heads,length,splits", [
@@ -115,20 +107,20 @@ def _capture(monkeypatch) -> dict:
     (1, 8, 32768, None),  # neither: the unified kernel
     (2, 8, 16384, None),
 ])
-def test_gpu_warp_decode_choice(monkeypatch, batch, heads, length, splits):
+def test_gpu_warp_decode_choice(batch, heads, length, splits):
     """Where an H200 decode of the plain 4bit format (32/8/128) takes the one-warp kernel, and its split count."""
-    seen = _capture(monkeypatch)
     layout = make_layout("4bit", heads, 128)
     table = torch.zeros(batch, length // layout.block_size, dtype=torch.int32)
     q = torch.randn(batch, heads * 4, 1, 128, dtype=torch.float16)
-    unified_attention(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), length), 0.088,
+    plan = _h200_plan(q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), length), 0.088,
                       max_seq_len=length)
+    seen = plan.constants
     if splits is None:
-        assert seen["KERNEL"] is None and seen["num_warps"] == 4
+        assert plan.kernel is not decode_warps._warp_kernel and seen["num_warps"] == 4
         return
-    assert seen["KERNEL"] is decode_warps._warp_kernel
-    assert seen["GRID"] == (splits, heads // 2, batch)
-    assert (seen["num_warps"], seen["BLOCK_N"], seen["STAGES"], seen["NR"], seen["PTX"]) == (1, 32, 3, 8, True)
+    assert plan.kernel is decode_warps._warp_kernel
+    assert plan.grid == (splits, heads // 2, batch)
+    assert (seen["num_warps"], plan.block_n, plan.num_stages, seen["QUERY_COLS"], seen["PTX"]) == (1, 32, 3, 8, True)
     assert "maxnreg" not in seen and seen["LUT"]
 
 
@@ -136,13 +128,12 @@ def test_gpu_warp_decode_choice(monkeypatch, batch, heads, length, splits):
     ({"key_centering": True, "value_rotation": True}, {"key_offset": torch.zeros(8, 128)}),  # the preset's levers
     ({}, {"sinks": torch.zeros(32)}),
 ])
-def test_gpu_warp_decode_not_with_levers(monkeypatch, options, extra):
-    seen = _capture(monkeypatch)
+def test_gpu_warp_decode_not_with_levers(options, extra):
     layout = make_layout("4bit", 8, 128, **options)
     table = torch.zeros(16, 2048, dtype=torch.int32)
-    unified_attention(torch.randn(16, 32, 1, 128, dtype=torch.float16), layout.allocate(1, "cpu"), layout, table,
+    plan = _h200_plan(torch.randn(16, 32, 1, 128, dtype=torch.float16), layout.allocate(1, "cpu"), layout, table,
                       torch.full((16,), 32768), 0.088, max_seq_len=32768, **extra)
-    assert seen["KERNEL"] is None
+    assert plan.kernel is not decode_warps._warp_kernel
 
 
 @pytest.mark.gpu
@@ -160,10 +151,10 @@ def test_warp_decode_gpu(batch, lens, dtype, block_size):
     scale = default_scale(128)
     want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale)
     got = unified_attention(query, pool, layout, table, seq_lens, scale, out=torch.full_like(query, float("nan")),
-                            tuning=WARPS)
+                            launch=WARPS)
     err, tol = rel_error(got, want), attention_tolerance(dtype, want)
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} (B={batch})"
-    other = unified_attention(query, pool, layout, table, seq_lens, scale, tuning={"warp_split": False})
+    other = unified_attention(query, pool, layout, table, seq_lens, scale, launch=LaunchConfig(warp_split=False))
     assert rel_error(got, other) <= 2 * tol
 
 
@@ -173,8 +164,7 @@ def test_warp_decode_cuda_graph_replay_gpu():
     """Captured once in a CUDA graph (as the launcher picks it, B=16 x 8 KV heads), replayed after the next step's
     new query and shorter lengths are written in place: no host sync, the lengths read on the device."""
     layout = make_layout("4bit", 8, 128)
-    assert decode_warps.wanted({}, layout, 4, 16, True, True, torch.cuda.get_device_properties(0).multi_processor_count,
-                               4096)
+    assert warp_plan.wanted(LaunchConfig(), layout, 4, 16, True, device_traits(torch.device("cuda")), 4096)
     lens = [4000, 1234, 9, 2048] * 4
     pool, table = fill_cache(layout, lens, "cuda")
     seq = torch.tensor(lens, device="cuda")

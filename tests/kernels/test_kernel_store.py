@@ -165,17 +165,18 @@ def test_store_non_contiguous_inputs_and_int32_slots():
 
 
 @pytest.mark.parametrize("tokens,block_t,warps", [
-    (1, 16, 8), (16, 16, 8),  # a decode step: 8 warps (H200, eval/results/gpu_checks/session8, call 9)
+    (1, 16, 8), (16, 16, 8),  # a decode step: 8 warps
     (32, 32, 8), (1000, 64, 8),  # long prefills: 64-token tiles amortise the rotation loads
 ])
-def test_store_launch_choices_on_a_gpu(monkeypatch, tokens, block_t, warps):
+def test_store_launch_choices_on_a_gpu(tokens, block_t, warps):
     """What the store launcher picks on a GPU (the plan only, nothing launched)."""
     from tq_hf.kernels import store as store_kernel
+    from tq_hf.kernels.device import H200
 
-    monkeypatch.setattr(store_kernel, "_tuned_for_gpu", lambda device: True)
     layout = make_layout("4bit", 8, 128)
     key = torch.randn(tokens, 8, 128)
-    plan = store_kernel._make_plan(layout.allocate(4, "cpu"), layout, key, key, torch.arange(tokens), None, None)
+    plan = store_kernel._make_plan(layout.allocate(4, "cpu"), layout, key, key, torch.arange(tokens), None, None,
+                                   traits=H200)
     assert plan.site.grid == (-(-tokens // block_t), 8, 2)
     assert (plan.site.kwargs["BLOCK_T"], plan.site.kwargs["num_warps"]) == (block_t, warps)
 

@@ -67,7 +67,7 @@ def test_only_symmetric_nonzero_codebooks_get_the_lookup():
 
 
 def _spare_codes(p0: int, p1: int, p2: int) -> int:
-    """attention._spare_codes on 4-byte words (its integer ops act bytewise, as here)."""
+    """code_decoders.spare_codes on 4-byte words (its integer ops act bytewise, as here)."""
     return ((p0 >> 3) & 0x11111111) | ((p1 >> 2) & 0x22222222) | ((p2 >> 1) & 0x44444444)
 
 

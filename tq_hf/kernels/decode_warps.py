@@ -1,42 +1,21 @@
 """Split decode in one-warp programs: 4-bit codebook keys and 4-bit values, plain format, KV heads in pairs.
 
 Why: the unified kernel's decode spreads each tile's tokens over 4 warps, so every tile's online softmax
-needs cross-warp reductions, and P crosses shared memory, behind CTA barriers (H200 Nsight Compute, 32/8/128
-B=16 S=32k: issue slots 45% busy, 2 programs of 4 warps per SM; gpu_checks/session14/call8). Here a program is
-one warp with its own softmax state; more split programs take the place of the warps and the split
-reduction (reduce.py) merges them. The scores are S^T = K Q^T: the tokens on the MMA's M, the query rows of
-two KV heads on its N = 8 (a 16-row tile held 4 real rows per head), so a tile of 32 tokens of both heads
-takes 64 MMAs and a softmax over 8 scores per thread, against 128 and 16; the values' product is
-O^T = V^T P^T. Offline sm_90a SASS (Triton 3.6): 1,095 instructions per 32 tokens of two heads (the unified
-kernel: 1,310 per 4-warp tile, the same tokens per warp) and no CTA barrier in the loop.
-
-H200, 32/8/128 4bit against the unified kernel (eval/results/gpu_checks/session17): B=16 S=32k 0.2129 -> 0.1702 ms
-(0.35x fp16 SDPA), S=128k 0.810 -> 0.598, B=32 0.406 -> 0.304, B=8 0.1147 -> 0.1025. Over 64-token blocks (the
-layout's default at head_dim 128: a tile's rows in one block) B=16 S=32k 0.1727 -> 0.1658 ms (0.34x), the same
-instructions per tile; a load-only walk of the same bytes takes 0.140 ms (gpu_checks/session19).
-Measured and not kept (call 10, call 11): the lookup's first table word loaded into a register once instead of
-the immediate ptxas re-materializes before every lookup (1,095 -> 1,042 instructions per tile, yet B=16 S=32k
-0.1710 -> 0.1758 ms), the tile's rows in metadata-pair order (1,083 instructions, 0.1702 -> 0.1722), 4 stages
-(0.1745), 2 stages (0.1896), 64-token tiles (0.2379, spills), 168 registers (12 programs per SM, 0.1838 vs
-0.1791 in the prototype), the split reduction fused into the last split (0.1838 vs 0.1799: its merge is serial),
-and the preset's levers in this kernel (bac32e9: centering, value rotation, the exact prefix in the first split and
-the ring in the last; call 13, the 4bit preset's defaults: B=16 0.2228 -> 0.2364 ms, B=8 0.1354 -> 0.1646, with
-spills in the walk at 255 registers), so the levers keep the unified kernel.
+needs cross-warp reductions, and P crosses shared memory, behind CTA barriers (Nsight Compute: issue slots
+45% busy). Here a program is one warp with its own softmax state; more split programs take the place of the
+warps and the split reduction (reduce.py) merges them. The scores are S^T = K Q^T: the tokens on the MMA's M,
+the query rows of two KV heads on its N = 8 (a 16-row tile held 4 real rows per head), so a tile of 32 tokens
+of both heads takes 64 MMAs and a softmax over 8 scores per thread, against 128 and 16; the values' product is
+O^T = V^T P^T, and no CTA barrier is left in the loop. The levers (centering, value rotation, exact prefix and
+ring) keep the unified kernel: in this one they spilled and ran slower.
 
 The key and value codes are decoded by the same asm as the unified kernel's code words (key_lut.py,
 value_nibbles.py): keys as the MMA's A operand [tokens, words] (two words of a token per register), values
 as its A operand [words, tokens] (two tokens' words per register); each tile's value sums start from zero
-(attention._rescaled_dot). The query is rotated in the prologue by fp16 MMAs: with rotation="hadamard" (the
-default) by H_{D/4} built in registers over signed sums of the query's quarters, else over R's high and low halves
-(rotation_halves). Reading R in every program had taken ~8.7 of the prologue's ~11 us (all programs read the same
-64 KiB from L2 at once); now ~4 us (H200, 32/8/128 B=16, %globaltimer stamps; gpu_checks/session18, calls 2, 4),
-B=1-8 and short walks 4-25% faster (call 5), B=16 S=32k even (0.1704 -> 0.1712 ms, call 7).
-Measured and not kept (session 18, calls 2-4): the stamps show an SM's first four programs (one per warp scheduler)
-ending ~30 us before the four it receives next (B=16 S=32k: ~137 vs ~168 us); giving the first-launched half of
-the grid more of each sequence's tiles (each sequence's splits drawn from both halves) was slower at every share
-(B=16 S=32k 0.1737 ms even, 0.1892 at 36/64, 0.1913 at 37/64), so the splits stay equal. With the new prologue the
-kernel fits 168 registers without spills (12 programs per SM), yet slower (call 11, tuning maxnreg: B=16 S=32k
-0.1705 -> 0.1742 ms with 1.5x the splits, 0.1744 without; 200 registers with 1.25x the splits 0.1975).
+(softmax.rescaled_dot). The query is rotated in the prologue by fp16 MMAs: with rotation="hadamard" (the
+default) by H_{D/4} built in registers over signed sums of the query's quarters (all programs reading R from
+L2 at once had taken most of the prologue), else over R's high and low halves (rotation_halves).
+warp_plan.py decides when a launch takes this kernel and with what grid.
 """
 
 from __future__ import annotations
@@ -48,14 +27,11 @@ import triton
 import triton.language as tl
 
 from ..layout import BlockLayout
-from . import attention
-from ._common import codec_tensors, hadamard_entries, hadamard_signs
-from .attention import LUT_WORDS_CONSTRAINTS, _add_pairs, _load_meta, _value_nibbles, check_workspace
-from .key_lut import config_lut_bytes, lut_words_asm
-
-# query columns per program: 2 KV heads x 4 rows (G * Lq <= 4), the MMA's N
-COLUMNS = 8
-HEADS = 2
+from .code_decoders import LUT_WORDS_CONSTRAINTS, value_word_nibbles
+from .codec_tensors import codec_tensors
+from .metadata import load_meta
+from .rotation import hadamard_entries, hadamard_signs
+from .softmax import add_pairs
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,11 +44,11 @@ def rotation_halves(layout: BlockLayout, device: str) -> torch.Tensor:
 
 
 @triton.jit
-def _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G: tl.constexpr, HP: tl.constexpr):
-    """Coordinates `coords` of the query rows of KV heads hp * HP .. + HP - 1 as fp32 [len(coords), NR] (column n:
-    head n % HP, row n // HP; zero past G * Lq rows)."""
-    r = nn // HP
-    qhead = (hp * HP + nn % HP) * G + r % G
+def _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr):
+    """Coordinates `coords` of the query rows of the program's KV heads (hp * H .. hp * H + H - 1, H =
+    HEADS_PER_PROGRAM) as fp32 [len(coords), QUERY_COLS] (column n: head n % H, row n // H; zero past G * Lq rows)."""
+    r = nn // HEADS_PER_PROGRAM
+    qhead = (hp * HEADS_PER_PROGRAM + nn % HEADS_PER_PROGRAM) * G + r % G
     return tl.load(q_ptr + b.to(tl.int64) * s_qb + qhead.to(tl.int64)[None, :] * s_qh
                    + (r // G).to(tl.int64)[None, :] * s_ql + coords[:, None], mask=(r < G * Lq)[None, :],
                    other=0.0).to(tl.float32)
@@ -87,30 +63,30 @@ def _split_dot(m, x, acc):
 
 @triton.jit
 def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT: tl.constexpr,
-                   D: tl.constexpr, NR: tl.constexpr, G: tl.constexpr, HP: tl.constexpr, HADAMARD: tl.constexpr):
-    """The query rows of KV heads hp * HP .. + HP - 1, rotated (q @ R^T), as HP * 4 fp16 [1, D/4, NR] tiles: tile
-    4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's order) in the columns of head j
-    (column n: head n % HP, row n // HP), zero in the others; and each column's log2 score scale. The query is
-    scaled to its largest magnitude first, so any range fits fp16 (_split_dot).
+                   D: tl.constexpr, QUERY_COLS: tl.constexpr, G: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                   HADAMARD: tl.constexpr):
+    """The query rows of the program's H = HEADS_PER_PROGRAM KV heads, rotated (q @ R^T), as H * 4 fp16
+    [1, D/4, QUERY_COLS] tiles: tile 4j + c holds coordinate (c // 2) * D/2 + 2u + c % 2 of word u (key_lut's
+    order) in the columns of head j (column n: head n % H, row n // H), zero in the others; and each column's log2
+    score scale. The query is scaled to its largest magnitude first, so any range fits fp16 (_split_dot).
     General R: its high and low fp16 parts (rotation_halves) meet the query's in three MMAs per tile (the low x low
     term is below fp32 rounding). HADAMARD (R = H diag(s) / sqrt(D), Sylvester H; R's first row gives s): as
     coordinate (c // 2) * D/2 + 2u + c % 2 of H's index splits into bits, H[(c, u), (a, v, e)] =
     (-1)^((c // 2) a + (c % 2) e) H_{D/4}[u, v] for query coordinate a * D/2 + 2v + e, so tile c is H_{D/4} (built
-    in registers) times a signed sum of the four quarters of s * q: no read of R, 8 small MMAs in all. Reading R in
-    every program (all of the grid's programs read the same 64 KiB from L2 at once) took ~8.7 of the prologue's
-    ~11 us (H200, 32/8/128 B=16; gpu_checks/session18, call 2)."""
+    in registers) times a signed sum of the four quarters of s * q: no read of R, 8 small MMAs in all (every program
+    reading the same 64 KiB of R from L2 at once had taken most of the prologue)."""
     rotated = ()
-    qmax = tl.zeros((NR,), tl.float32)
+    qmax = tl.zeros((QUERY_COLS,), tl.float32)
     if HADAMARD:
         U: tl.constexpr = D // 4
         quarters = ()
         for a in tl.static_range(2):
             for e in tl.static_range(2):
                 coords = a * (D // 2) + 2 * uu + e
-                quarters = quarters + (_query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G, HP)
+                quarters = quarters + (_query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, coords, nn, G, HEADS_PER_PROGRAM)
                                        * hadamard_signs(rot_ptr, coords, D)[:, None],)
         sums = ()
-        q_big = tl.zeros((NR,), tl.float32)
+        q_big = tl.zeros((QUERY_COLS,), tl.float32)
         for c in tl.static_range(4):  # quarter (a, e) signed by (-1)^((c // 2) a + (c % 2) e)
             y = quarters[0]
             y = y - quarters[1] if c % 2 else y + quarters[1]
@@ -121,12 +97,12 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
         q_big = tl.where(q_big > 0, q_big, 1.0)
         h = hadamard_entries(uu, uu, uu < U)
         for c in tl.static_range(4):
-            q_c = _split_dot(h, sums[c] / q_big[None, :], tl.zeros((U, NR), tl.float32))
+            q_c = _split_dot(h, sums[c] / q_big[None, :], tl.zeros((U, QUERY_COLS), tl.float32))
             qmax = tl.maximum(qmax, tl.max(tl.abs(q_c), axis=0))
             rotated = rotated + (q_c,)
     else:
         dd = tl.arange(0, D)
-        q = _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, dd, nn, G, HP)
+        q = _query_rows(q_ptr, s_qb, s_qh, s_ql, Lq, b, hp, dd, nn, G, HEADS_PER_PROGRAM)
         q_big = tl.max(tl.abs(q), axis=0)
         q_big = tl.where(q_big > 0, q_big, 1.0)
         q = q / q_big[None, :]
@@ -139,13 +115,13 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
             rotated = rotated + (q_c,)
     qdiv = tl.where(qmax > 0, qmax, 1.0)
     tiles = ()
-    for j in tl.static_range(HP):
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         for c in tl.static_range(4):
-            tile = tl.where((nn % HP == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
-            # [1, D/4, NR] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
+            tile = tl.where((nn % HEADS_PER_PROGRAM == j)[None, :], rotated[c] / qdiv[None, :], 0.0).to(tl.float16)
+            # [1, D/4, QUERY_COLS] for batched (3D) dots: Triton then converts the tile to the MMA operand layout once,
             # before the walk; as a 2D operand the conversion (32 shuffles + 32 byte permutes) ran in every
             # iteration (offline sm_90a SASS: 1,163 -> 1,095 instructions per tile)
-            tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, NR)),)
+            tiles = tiles + (tl.broadcast_to(tile[None, :, :], (1, D // 4, QUERY_COLS)),)
     unit = sm_scale * KEY_UNIT * 1.4426950408889634
     if HADAMARD:
         unit = unit / tl.sqrt(D * 1.0)
@@ -156,7 +132,7 @@ def _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn
 def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off,
                plane_bytes, block_bytes, ii, uu, nn, LUT: tl.constexpr, PTX: tl.constexpr, KEY_UNIT: tl.constexpr,
                D: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
-               BLOCK_N: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, HALF: tl.constexpr, BIG: tl.constexpr,
+               BLOCK_N: tl.constexpr, QUERY_COLS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, HALF: tl.constexpr, POOL64: tl.constexpr,
                MASKED: tl.constexpr):
     """One BLOCK_N-token tile [t0, t0 + BLOCK_N) of both heads: scores, online softmax, values. MASKED: the
     tile may reach past `end` or past a row's position (causal, Lq > 1); else every score is visible."""
@@ -166,16 +142,16 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
     else:
         ok = tl.full((BLOCK_N,), True, tl.int1)
     off = tok % T
-    if BIG:  # a pool of >= 2**31 bytes
+    if POOL64:  # a pool of >= 2**31 bytes
         base = blk.to(tl.int64) * block_bytes + head_off
     else:
         base = blk * block_bytes + head_off
-    col_head = (nn % HP)[None, :]  # the heads interleave in the columns: a function of the register, folded
-    s = tl.zeros((1, BLOCK_N, NR), tl.float32)
-    k_scale = tl.zeros((BLOCK_N, NR), tl.float32)
-    v_scale = tl.zeros((BLOCK_N, NR), tl.float32)
-    v_mid = tl.zeros((BLOCK_N, NR), tl.float32)
-    for j in tl.static_range(HP):
+    col_head = (nn % HEADS_PER_PROGRAM)[None, :]  # the heads interleave in the columns: a function of the register, folded
+    s = tl.zeros((1, BLOCK_N, QUERY_COLS), tl.float32)
+    k_scale = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    v_scale = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    v_mid = tl.zeros((BLOCK_N, QUERY_COLS), tl.float32)
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         plane = base + j * plane_bytes
         kw = tl.load((pool_ptr + (plane + off * KB)[:, None]).to(tl.pointer_type(tl.uint16)) + uu[None, :],
                      mask=ok[:, None], other=0)  # [N, D/4] code words, the MMA's A operand
@@ -195,29 +171,29 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
         s = tl.dot(k2[None, :, :], qs[4 * j + 2], s)
         s = tl.dot(k3[None, :, :], qs[4 * j + 3], s)
         mine = col_head == j
-        k_scale = tl.where(mine, _load_meta(pool_ptr, plane, 0, off, T, META, ok, True)[:, None], k_scale)
-        v_scale = tl.where(mine, _load_meta(pool_ptr, plane, 1, off, T, META, ok, True)[:, None], v_scale)
-        v_mid = tl.where(mine, _load_meta(pool_ptr, plane, 2, off, T, META, ok, True)[:, None], v_mid)
-    x = tl.reshape(s, (BLOCK_N, NR)) * k_scale
+        k_scale = tl.where(mine, load_meta(pool_ptr, plane, 0, off, T, META, ok, True)[:, None], k_scale)
+        v_scale = tl.where(mine, load_meta(pool_ptr, plane, 1, off, T, META, ok, True)[:, None], v_scale)
+        v_mid = tl.where(mine, load_meta(pool_ptr, plane, 2, off, T, META, ok, True)[:, None], v_mid)
+    x = tl.reshape(s, (BLOCK_N, QUERY_COLS)) * k_scale
     if MASKED:
         x = tl.where(ok[:, None] & (tok[:, None] <= qpos[None, :]), x, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(x, axis=0) * rsc)
     m_use = tl.where(m_new == -float("inf"), 0.0, m_new)
     p = tl.exp2(x * rsc[None, :] - m_use[None, :])
     alpha = tl.exp2(m_i - m_use)
-    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 0, _add_pairs)
+    sum_p, sum_pb = tl.reduce((p, p * (v_mid - v_scale * HALF)), 0, add_pairs)
     l_i = l_i * alpha + sum_p
     bias = bias * alpha + sum_pb
     ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)  # v_mid joins the MMA operand's chain: prefetched
-    t0 = tl.zeros(a0.shape, tl.float32)  # the tile's sums from zero (attention._rescaled_dot)
+    t0 = tl.zeros(a0.shape, tl.float32)  # the tile's sums from zero (rescaled_dot)
     t1 = tl.zeros(a1.shape, tl.float32)
     t2 = tl.zeros(a2.shape, tl.float32)
     t3 = tl.zeros(a3.shape, tl.float32)
-    for j in tl.static_range(HP):
+    for j in tl.static_range(HEADS_PER_PROGRAM):
         plane = base + j * plane_bytes
         vw = tl.load((pool_ptr + (plane + T * KB + off * VB)[None, :]).to(tl.pointer_type(tl.uint16)) + uu[:, None],
                      mask=ok[None, :], other=0)  # [D/4, N] value words, the MMA's A operand
-        v0, v1, v2, v3 = _value_nibbles(vw, PTX)
+        v0, v1, v2, v3 = value_word_nibbles(vw, PTX)
         ps_j = tl.where(col_head == j, ps, 0.0)
         t0 = tl.dot(v0, ps_j, t0)
         t1 = tl.dot(v1, ps_j, t1)
@@ -230,7 +206,7 @@ def _warp_tile(t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool
     return m_new, l_i, a0, a1, a2, a3, bias
 
 
-# The same runtime arguments as attention._attn_kernel (unified_attention builds one tuple); the exact prefix,
+# The same runtime arguments as unified._attn_kernel (unified_attention builds one tuple); the exact prefix,
 # ring, key offset, value rotation, sinks and window are not this kernel's (the launcher never picks it there).
 @triton.jit(do_not_specialize=["recent_from", "Lq", "num_splits", "prefix_len"])
 def _warp_kernel(
@@ -238,14 +214,14 @@ def _warp_kernel(
     rot_ptr,  # [2, D, D] fp16: R's high and low parts (rotation_halves)
     cent_ptr,  # [16] fp32 centroids by stored code (the interpreter's gathers)
     koff_ptr, s_koff, vrot_ptr,
-    pout_ptr,  # [B, Hk, NS, RHO, DP] fp32 split partial outputs
-    plse_ptr,  # [B, Hk, NS, RHO] fp32 split log2-sum-exp
+    pout_ptr,  # [B, Hk, NS, ROWS_PER_HEAD, DP] fp32 split partial outputs
+    plse_ptr,  # [B, Hk, NS, ROWS_PER_HEAD] fp32 split log2-sum-exp
     pk_ptr, s_pkb, s_pkh, s_pkp, pv_ptr, s_pvb, s_pvh, s_pvp, prefix_len,
     rk_ptr, s_rkb, s_rkh, s_rkp, rv_ptr, s_rvb, s_rvh, s_rvp, recent_size, recent_from,
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, META: tl.constexpr,
-    G: tl.constexpr, NR: tl.constexpr, HP: tl.constexpr, RHO: tl.constexpr,  # RHO: partial rows per KV head
-    BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, BIG: tl.constexpr,
+    G: tl.constexpr, QUERY_COLS: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, ROWS_PER_HEAD: tl.constexpr,  # ROWS_PER_HEAD: partial rows per KV head
+    BLOCK_N: tl.constexpr, KEY_UNIT: tl.constexpr, LUT: tl.constexpr, PTX: tl.constexpr, POOL64: tl.constexpr,
     HALF: tl.constexpr, HADAMARD: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -262,22 +238,22 @@ def _warp_kernel(
     body_end = start + tl.maximum(tl.minimum(end, seq_len - Lq + 1) - start, 0) // BLOCK_N * BLOCK_N
     ii = tl.arange(0, BLOCK_N)
     uu = tl.arange(0, U)
-    nn = tl.arange(0, NR)
-    r = nn // HP
+    nn = tl.arange(0, QUERY_COLS)
+    r = nn // HEADS_PER_PROGRAM
     qpos = seq_len - Lq + r // G
-    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, NR, G, HP,
+    qs, rsc = _rotated_query(q_ptr, s_qb, s_qh, s_ql, rot_ptr, Lq, sm_scale, b, hp, uu, nn, KEY_UNIT, D, QUERY_COLS, G, HEADS_PER_PROGRAM,
                              HADAMARD)
 
-    m_i = tl.full((NR,), -float("inf"), tl.float32)
-    l_i = tl.zeros((NR,), tl.float32)
-    bias = tl.zeros((NR,), tl.float32)
-    # accumulator c holds coordinate (c % 2) * D/2 + 2u + c // 2 of word u (_value_nibbles' order), in the codes'
+    m_i = tl.full((QUERY_COLS,), -float("inf"), tl.float32)
+    l_i = tl.zeros((QUERY_COLS,), tl.float32)
+    bias = tl.zeros((QUERY_COLS,), tl.float32)
+    # accumulator c holds coordinate (c % 2) * D/2 + 2u + c // 2 of word u (value_word_nibbles' order), in the codes'
     # fp16 scale (x 2**-24, odd c x 2**-20)
-    a0 = tl.zeros((U, NR), tl.float32)
-    a1 = tl.zeros((U, NR), tl.float32)
-    a2 = tl.zeros((U, NR), tl.float32)
-    a3 = tl.zeros((U, NR), tl.float32)
-    head_off = hp * HP * plane_bytes
+    a0 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a1 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a2 = tl.zeros((U, QUERY_COLS), tl.float32)
+    a3 = tl.zeros((U, QUERY_COLS), tl.float32)
+    head_off = hp * HEADS_PER_PROGRAM * plane_bytes
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     # the walk's block-table entries an iteration ahead, so the codes' loads are direct (prefetched a tile ahead)
     blk_n = tl.load(bt_row + (start + ii) // T, mask=start + ii < body_end, other=0)
@@ -286,19 +262,19 @@ def _warp_kernel(
         blk_n = tl.load(bt_row + (t0 + BLOCK_N + ii) // T, mask=t0 + BLOCK_N + ii < body_end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, False)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, QUERY_COLS, HEADS_PER_PROGRAM, HALF, POOL64, False)
     for t0 in range(body_end, end, BLOCK_N):
         blk = tl.load(bt_row + (t0 + ii) // T, mask=t0 + ii < end, other=0)
         m_i, l_i, a0, a1, a2, a3, bias = _warp_tile(
             t0, end, qpos, blk, m_i, l_i, a0, a1, a2, a3, bias, qs, rsc, pool_ptr, cent_ptr, head_off, plane_bytes,
-            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, NR, HP, HALF, BIG, True)
+            block_bytes, ii, uu, nn, LUT, PTX, KEY_UNIT, D, T, KB, VB, META, BLOCK_N, QUERY_COLS, HEADS_PER_PROGRAM, HALF, POOL64, True)
 
     # this split's normalised partial and log2-sum-exp per (KV head, row), as the unified kernel writes them
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = (bias * inv_l)[None, :]
     row_ok = r < G * Lq
-    prow = ((b * (npairs * HP) + hp * HP + nn % HP) * num_splits + split) * RHO + r
+    prow = ((b * (npairs * HEADS_PER_PROGRAM) + hp * HEADS_PER_PROGRAM + nn % HEADS_PER_PROGRAM) * num_splits + split) * ROWS_PER_HEAD + r
     tl.store(plse_ptr + prow, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf")), mask=row_ok)
     dst = pout_ptr + prow.to(tl.int64)[None, :] * DP
     om = row_ok[None, :]
@@ -308,90 +284,3 @@ def _warp_kernel(
     tl.store(dst + (2 * uu + D // 2)[:, None], a1 * hi + bias_out, mask=om)
     tl.store(dst + (2 * uu + 1)[:, None], a2 * lo + bias_out, mask=om)
     tl.store(dst + (2 * uu + 1 + D // 2)[:, None], a3 * hi + bias_out, mask=om)
-
-
-# KV-head tokens of a decode walk from which this kernel beats the unified one on few sequences (wanted)
-WALK_TOKENS = 2**19
-
-# one-warp programs an SM holds at once: ptxas gives the kernel 255 registers (no cap; 168 measured slower:
-# H200, 32/8/128 B=16 S=32k, 0.1838 vs 0.1791 ms in the prototype) and 18 KB of shared memory (3 stages of 32-token
-# tiles)
-PROGRAMS_PER_SM = 8
-
-
-def unsupported(layout: BlockLayout, rows: int, plain: bool) -> str | None:
-    """What this kernel would need that the launch lacks (None: it can run it)."""
-    cfg, d = layout.config, layout.head_dim
-    if not (cfg.uses_codebook and cfg.key_bits == 4 and cfg.value_bits == 4):
-        return f"4-bit codebook keys and 4-bit values (got {cfg.key_bits}-bit keys, {cfg.value_bits}-bit values)"
-    if config_lut_bytes(cfg, d) is None:
-        return "4-bit centroids on the byte grid (reference.on_byte_grid)"
-    if d not in (64, 128, 256):
-        return f"head_dim 64, 128 or 256 (got {d})"
-    if layout.num_kv_heads % HEADS:
-        return f"an even KV head count (got {layout.num_kv_heads})"
-    if rows > COLUMNS // HEADS:
-        return f"decode of <= {COLUMNS // HEADS} query rows per KV head (query heads per KV head x query length, got {rows})"
-    if not plain:
-        return ("the plain format: no exact prefix or recent ring, key centering, value rotation, kv_start, "
-                "sliding window, sinks or softcap")
-    return None
-
-
-def wanted(tuning: dict, layout: BlockLayout, rows: int, batch: int, plain: bool, gpu_ptx: bool, sms: int,
-           kv_len: int) -> bool:
-    """Whether a decode launch takes this kernel: tuning["warp_split"] if given (True raises where unsupported);
-    other tuning keys are the unified kernel's (its benchmarked variants), so they keep it; else on a GPU running
-    PTX at head_dim 128 when 4 x batch x KV heads fill the SMs or the walk holds >= WALK_TOKENS (batch x KV heads x
-    kv_len, the host's bound on the length). H200, 32/8/128 4bit, against the unified kernel (gpu_checks/session18,
-    call 7, with the Hadamard prologue): S=32k B=16 0.2103 -> 0.1712 ms, B=4 0.0653 -> 0.0611, B=2 0.0418 ->
-    0.0400, B=1 0.0300 -> 0.0297 (even: unified kept below WALK_TOKENS); B=1 S=128k 0.0661 -> 0.0603; B=1 S=4k
-    slower (0.0155 -> 0.0163); other head_dims unmeasured."""
-    forced = tuning.get("warp_split")
-    why = unsupported(layout, rows, plain)
-    if forced:
-        if why is not None:
-            raise ValueError(f"tuning warp_split=True needs {why}")
-        return True
-    if forced is not None or tuning:
-        return False
-    fills = 4 * batch * layout.num_kv_heads >= sms or batch * layout.num_kv_heads * kv_len >= WALK_TOKENS
-    return why is None and gpu_ptx and layout.head_dim == 128 and fills
-
-
-def make_plan(plan_cls, layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int, ptx: bool, cent, vrot,
-              workspace, kv_len: int, num_splits, scale: float, sms: int, tuning: dict):
-    """The launch plan (attention._AttentionPlan) of this kernel and the split reduction; kv_len: the host's bound
-    on the walk's length (max_seq_len within the block table's capacity)."""
-    d, hk, t = layout.head_dim, layout.num_kv_heads, layout.block_size
-    device = str(pool.device)
-    block_n = tuning.get("block_n", 32 if ptx else 16)
-    if block_n not in (16, 32, 64):
-        raise ValueError(f"tuning block_n must be 16, 32 or 64 tokens for warp_split, got {block_n!r}")
-    num_stages = tuning.get("num_stages", 3 if ptx else 1)
-    maxnreg = tuning.get("maxnreg")  # a register cap (None: ptxas's 255)
-    kv_tiles = max(1, triton.cdiv(kv_len, block_n))
-    if num_splits is None:
-        # one wave of programs (more measured slower: a partial second wave; fewer left SMs idle), a power of two
-        # that splits power-of-two lengths evenly (H200, B=16 S=32k: 12 / 16 / 20 splits 0.2158 / 0.1804 / 0.2112 ms)
-        want = max(1, min(PROGRAMS_PER_SM * sms // (b * hk // HEADS), kv_tiles, 256))
-        num_splits = 1 << (want.bit_length() - 1)
-    if type(num_splits) is not int or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    rho = COLUMNS // HEADS  # partial rows per KV head
-    dp = triton.next_power_of_2(d)
-    partial_rows = b * hk * num_splits * rho
-    workspace_numel = partial_rows * (dp + 1)
-    check_workspace(workspace, workspace_numel, pool.device)
-    table, unit = config_lut_bytes(layout.config, d)
-    constants = dict(
-        D=d, DP=dp, T=t, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset, G=g, NR=COLUMNS,
-        HP=HEADS, RHO=rho, KEY_UNIT=unit, LUT=lut_words_asm(table) if ptx else "", PTX=ptx,
-        BIG=pool.numel() >= 2**31, HALF=((1 << layout.config.value_bits) - 1) / 2,
-        HADAMARD=layout.config.rotation == "hadamard", num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
-    return plan_cls(
-        layout=layout, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n, num_stages=num_stages,
-        split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, workspace_numel=workspace_numel,
-        rot=rotation_halves(layout, device), cent=cent, vrot=vrot, s_koff=0, prefix_len=0, recent_size=0,
-        scalars=(lq, num_splits, float(scale), 1.0, 0, layout.block_bytes, layout.plane_bytes),
-        reduce=attention.reduce_site(b, hk, g, lq, num_splits, rho, d, dp), kernel=_warp_kernel)  # patched by tests

@@ -2,7 +2,7 @@
 
 `fn[grid](*args, **constexprs)` binds and specializes every argument, hashes a cache key, reads the
 runtime knobs and builds launch metadata on every call: ~77 us of host time for the decode attention
-kernel on the H200's host, whose kernel runs ~34 us (eval/results/gpu_checks/session7). A decode step
+kernel on the H200's host, whose kernel runs ~34 us. A decode step
 repeats the same launch with arguments of the same kinds, so a launcher keys a plan on everything that
 decides the variant (shapes, strides, dtypes, devices, the 16-byte alignment of every pointer, the
 constexprs) and gives each launch site of the plan a `LaunchSite`: the first call goes through

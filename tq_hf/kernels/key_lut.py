@@ -2,12 +2,11 @@
 
 Why: `tl.gather` of the centroids is not elementwise for Triton, so the decode kernel unpacked
 the key tile in a blocked layout (a warp shuffle per code) and staged it through shared memory
-as fp16 before the MMA read it back (Nsight Compute, eval/results/gpu_checks/session3/: 255
+as fp16 before the MMA read it back (Nsight Compute: 255
 registers, 102 KB of shared memory, 12.5% occupancy, issue-bound). Triton moves a *unary, pure*
 inline asm past the layout conversion into the MMA's operand layout (as it does for the values'
 nibble arithmetic), so with this lookup the codes are decoded where the MMA reads them and no
-fp16 key tile touches shared memory (45 KB per program; the H200 sweep in
-eval/results/decode_lookups/: 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
+fp16 key tile touches shared memory (45 KB per program; H200 4bit decode 0.60 -> 0.46 ms at B=16, S=32k).
 
 The Lloyd-Max codebook of the (symmetric) rotated-coordinate distribution is symmetric:
 c[15 - n] == -c[n], also after rounding to fp16 (checked here, else `config_lut_words` returns
@@ -189,7 +188,7 @@ def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, in
 # ---- 3-bit codebook keys ------------------------------------------------------------------------
 # The key codes sit in three byte planes (layout.py): bits 0-2 and 4-6 of each byte are two codes;
 # the kernel gathers codes 6 and 7 from the planes' spare bits 3 and 7 into one more such byte with
-# integer ops (attention._spare_codes: Triton moves those into the MMA operand layout, a three-input
+# integer ops (code_decoders.spare_codes: Triton moves those into the MMA operand layout, a three-input
 # asm it would not). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
 # nibble, no sign step. $2: 4 code bytes; $0, $1: fp16 centroids of their low (sel 0x6240) or high
 # (0x7351) nibbles.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import next_pow2, store_rounded
+from .codec_tensors import next_pow2
 from .fast_launch import LaunchSite
+from .rounding import store_rounded
 
 
 @triton.jit

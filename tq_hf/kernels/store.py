@@ -18,24 +18,13 @@ import triton.language as tl
 
 from ..codebook import is_symmetric
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
-from ._common import (
-    ACTIVATION_DTYPES,
-    bf16_bits_to_f32,
-    bf16_rne_bits,
-    bf16_up_bits,
-    check_key_offset,
-    check_layout_pool,
-    check_tensor,
-    codec_tensors,
-    fp8e4m3_bits,
-    hadamard_dot,
-    hadamard_input,
-    matmul_square,
-    next_pow2,
-    tuned_for_gpu as _tuned_for_gpu,
-    value_rotation_tensor,
-)
+from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_tensor
+from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
+from .device import DeviceTraits, device_traits as _traits_of
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of
+from .launch_config import StoreLaunchConfig
+from .rotation import hadamard_dot, hadamard_input, matmul_square
+from .rounding import bf16_bits_to_f32, bf16_rne_bits, bf16_up_bits, fp8e4m3_bits
 
 
 @triton.jit
@@ -48,7 +37,7 @@ def _store_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.const
 @triton.jit
 def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, HADAMARD: tl.constexpr):
     """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32; under rotation="hadamard" R is not read but built in
-    registers, _common.hadamard_dot): the split-half nibble pairs (j, j + D/2)."""
+    registers, rotation.hadamard_dot): the split-half nibble pairs (j, j + D/2)."""
     cols = tl.arange(0, DP)
     hc = tl.arange(0, DHP)
     if HADAMARD:
@@ -306,24 +295,29 @@ def _store_kernel(
 
 
 def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-             key_offset: torch.Tensor | None = None, tuning: dict | None = None,
+             key_offset: torch.Tensor | None = None, launch: StoreLaunchConfig | None = None,
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-             seq_lens: torch.Tensor | None = None) -> None:
+             seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
 
     Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
     row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config;
     recent: the exact ring [R, H, W, D] that gets each row's last new tokens, their positions counted from
     `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
-    tuning: launch overrides for benchmarks ({"block_t", "num_warps"}).
+    launch: overrides of the launch heuristics, for benchmarks (launch_config.StoreLaunchConfig).
+    device_traits: the device as the launch heuristics see it (default: the pool's device, device.device_traits).
     """
     ring_k, ring_v = recent if recent is not None else (None, None)
+    if launch is not None and type(launch) is not StoreLaunchConfig:
+        raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
+                        f"{type(launch).__name__}")
+    traits = device_traits if device_traits is not None else _traits_of(pool.device)
     plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset, ring_k, ring_v, seq_lens)),
-                tuple(sorted(tuning.items())) if tuning else None, _store_kernel)
+                launch, traits, _store_kernel)
     plan = _PLANS.get(plan_key)
     if plan is None or plan.layout is not layout:
-        plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k, ring_v,
-                                               seq_lens))
+        plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, launch, ring_k, ring_v,
+                                               seq_lens, traits))
     if type(start) is not int or start < 0:
         raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
     if plan.site is None:  # no tokens
@@ -384,9 +378,10 @@ def _check_ring(ring_k, ring_v, seq_lens, layout, key, device) -> int | None:
     return rows
 
 
-def _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k=None, ring_v=None,
-               seq_lens=None) -> _StorePlan:
+def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchConfig | None = None, ring_k=None,
+               ring_v=None, seq_lens=None, traits: DeviceTraits | None = None) -> _StorePlan:
     check_layout_pool(pool, layout)
+    traits = traits if traits is not None else _traits_of(pool.device)
     for name, t in (("key", key), ("value", value)):
         check_tensor(name, t, dim=3, dtypes=ACTIVATION_DTYPES, device=pool.device)
         if tuple(t.shape[1:]) != (layout.num_kv_heads, layout.head_dim):
@@ -419,16 +414,13 @@ def _make_plan(pool, layout, key, value, slots, key_offset, tuning, ring_k=None,
     # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
     # D=128); decode steps (a few tokens) take the smallest tile that holds them.
     block_t = min(64 if d <= 128 else 32, max(16, next_pow2(n)))
-    # 8 warps for every tile: each warp's share of the serial work halves (H200, one token per
-    # sequence, 4bit plain B=1/16: 16.7 -> 13.2 / 13.0 -> 11.1 us, with key centering + value rotation
-    # 19.4 -> 13.6 / 14.8 -> 11.4; 17-32 tokens 25.4 -> 16.6 us, levers 45.3 -> 17.7:
-    # eval/results/gpu_checks/session8, calls 9-10)
+    # 8 warps for every tile: each warp's share of the serial work halves (faster at every batch, levers too)
     num_warps = 8
-    if not _tuned_for_gpu(pool.device):
+    if not traits.tuned_for_gpu:
         block_t, num_warps = 16, 4
-    tuning = tuning or {}
-    block_t = tuning.get("block_t", block_t)
-    num_warps = tuning.get("num_warps", num_warps)
+    if launch is not None:
+        block_t = block_t if launch.block_t is None else launch.block_t
+        num_warps = num_warps if launch.num_warps is None else launch.num_warps
     site = None
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 2), dict(

@@ -26,7 +26,7 @@ and.b32 $3, s, 0x00F000F0;
 CONSTRAINTS = "=r,=r,=r,=r,r"  # four fp16x2 outputs, one input register (two 16-bit code words)
 
 # 3-bit value planes (layout.value_planes): per 16-bit half, one token's 2-bit-plane byte L in bits 0-7 and, in
-# bits 8-15, the bit-plane bits of the same four coordinates at bits 8 + 2a (attention._value_plane_words).
+# bits 8-15, the bit-plane bits of the same four coordinates at bits 8 + 2a (code_decoders.value_plane_words).
 # Output $a holds code a = (L >> 2a & 3) | (bit 8 + 2a) << 2 as the fp16 subnormal code * 2**-24.
 PLANES_ASM = (
     "{\n.reg .b32 s, t;\nshr.b32 t, $4, 6;\n"  # t: the bit-plane bits of code a at bit 2 + 2a

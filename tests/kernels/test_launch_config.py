@@ -1,0 +1,92 @@
+"""LaunchConfig / StoreLaunchConfig validation, DeviceTraits, and how both key the launch plans (plans only:
+nothing is launched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_hf.kernels import DeviceTraits, LaunchConfig, StoreLaunchConfig, device_traits, plan_attention
+from tq_hf.kernels import attention as attention_kernel, fast_launch
+from tq_hf.kernels.decode_warps import _warp_kernel
+from tq_hf.kernels.device import H200, INTERPRETER
+from tq_hf.kernels.unified import _attn_kernel
+
+from kernel_helpers import make_layout
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"block_n": 48}, ValueError, "LaunchConfig.block_n must be a power of two >= 16, got 48"),
+    ({"block_m": 8}, ValueError, "LaunchConfig.block_m must be a power of two >= 16, got 8"),
+    ({"num_warps": 3}, ValueError, "LaunchConfig.num_warps must be 1, 2, 4, 8 or 16, got 3"),
+    ({"num_stages": 0}, ValueError, "LaunchConfig.num_stages must be an int >= 1, got 0"),
+    ({"maxnreg": 300}, ValueError, "LaunchConfig.maxnreg must be 0 \\(no cap\\) or 24 to 255 registers, got 300"),
+    ({"head_pairs": 4}, ValueError, "LaunchConfig.head_pairs must be 1 or 2, got 4"),
+    ({"ring_n": 24}, ValueError, "LaunchConfig.ring_n must be 16, 32, 64 or 128 tokens, got 24"),
+    ({"key_lut": 1}, TypeError, "LaunchConfig.key_lut must be True, False or None, got 1"),
+    ({"block_n": 64.0}, TypeError, "LaunchConfig.block_n must be an int or None, got 64.0"),
+])
+def test_launch_config_refuses_bad_values(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LaunchConfig(**kwargs)
+
+
+def test_store_launch_config_refuses_bad_values():
+    with pytest.raises(ValueError, match="StoreLaunchConfig.block_t must be a power of two >= 16, got 24"):
+        StoreLaunchConfig(block_t=24)
+    with pytest.raises(TypeError, match="StoreLaunchConfig.num_warps must be an int or None"):
+        StoreLaunchConfig(num_warps="8")
+
+
+def test_launch_config_overrides():
+    assert not LaunchConfig().overrides()
+    assert LaunchConfig(warp_split=False).overrides() and LaunchConfig(maxnreg=0).overrides()
+
+
+def test_device_traits_refuse_bad_values_and_read_the_cpu_as_the_interpreter():
+    with pytest.raises(ValueError, match="num_sms must be a positive int, got 0"):
+        DeviceTraits(num_sms=0, runs_ptx=True, tuned_for_gpu=True)
+    with pytest.raises(TypeError, match="runs_ptx must be a bool"):
+        DeviceTraits(num_sms=132, runs_ptx=1, tuned_for_gpu=True)
+    assert device_traits(torch.device("cpu")) == INTERPRETER
+    assert INTERPRETER == DeviceTraits(num_sms=4, runs_ptx=False, tuned_for_gpu=False)
+
+
+def _decode_args(layout, batch: int = 16):
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
+    q = torch.randn(batch, 4 * layout.num_kv_heads, 1, layout.head_dim, dtype=torch.float16)
+    return q, layout.allocate(1, "cpu"), layout, table, torch.full((batch,), 32768), 0.088
+
+
+def test_plans_are_keyed_on_the_traits_and_launch_values(monkeypatch):
+    """Equal DeviceTraits / LaunchConfig values share a plan; other values make their own (a plan made for an H200
+    on CPU tensors is never taken by a call that plans for the interpreter)."""
+    monkeypatch.setattr(attention_kernel, "_PLANS", fast_launch.PlanCache())
+    args = _decode_args(make_layout("4bit", 8, 128))
+    h200 = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+    assert plan_attention(*args, max_seq_len=32768, device_traits=DeviceTraits(132, True, True)) is h200
+    local = plan_attention(*args, max_seq_len=32768)
+    assert local is not h200 and local is plan_attention(*args, max_seq_len=32768, device_traits=INTERPRETER)
+    assert (h200.kernel, local.kernel) == (_warp_kernel, _attn_kernel)  # the H200 takes the one-warp kernel there
+    unified = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(warp_split=False))
+    assert unified is not h200 and unified.kernel is _attn_kernel
+    assert plan_attention(*args, max_seq_len=32768, device_traits=H200,
+                          launch=LaunchConfig(warp_split=False)) is unified
+    assert len(attention_kernel._PLANS) == 3
+
+
+def test_split_counts_follow_the_sm_count():
+    """The traits' SM count sizes the split count (FP8 keys, 32 programs: 4 waves of the SMs, a power of two)."""
+    layout = make_layout("k8v4", 8, 128)
+    splits = [plan_attention(*_decode_args(layout, 4), max_seq_len=32768,
+                             device_traits=DeviceTraits(num_sms=sms, runs_ptx=True, tuned_for_gpu=True)).grid[0]
+              for sms in (33, 132)]
+    assert splits == [4, 16]
+
+
+def test_launch_arguments_of_the_wrong_type_are_refused():
+    args = _decode_args(make_layout("4bit", 2, 64), 1)
+    with pytest.raises(TypeError, match="launch must be a tq_hf.kernels.LaunchConfig or None, got dict"):
+        plan_attention(*args, launch={"block_n": 64})
+    with pytest.raises(TypeError, match="device_traits must be a tq_hf.kernels.DeviceTraits or None, got str"):
+        plan_attention(*args, device_traits="h200")

@@ -1,0 +1,39 @@
+"""The codec's constants as device tensors for the launchers (cached per layout and device), and tile sizing."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..layout import BlockLayout
+from ..reference import key_codec, value_rotation_matrix
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def codec_tensors(layout: BlockLayout, device: str) -> tuple[torch.Tensor, ...]:
+    """(rotation [D, D] fp32, centroids [2**bits] fp32 by level (ascending), boundaries [2**bits - 1]
+    fp32, centroids by stored code [2**bits] fp32) on device.
+
+    FP8 keys have no codec; they get 1-element placeholders so launch signatures stay fixed.
+    """
+    codec = key_codec(layout.config, layout.head_dim, device)
+    if codec is None:
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        return one, one, one, one
+    return (codec.rotation.contiguous(), codec.centroids.contiguous(), codec.boundaries.contiguous(),
+            codec.code_centroids.contiguous())
+
+
+@functools.lru_cache(maxsize=None)
+def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
+    """Rv [D, D] fp32 on device for value_rotation (values are stored as v @ Rv^T); a
+    1-element placeholder when the option is off, so launch signatures stay fixed."""
+    rot = value_rotation_matrix(layout.config, layout.head_dim, device)
+    if rot is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    return rot.float().contiguous()

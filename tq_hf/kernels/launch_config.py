@@ -1,0 +1,98 @@
+"""Overrides of the launchers' heuristics, for benchmarks and tests: typed, validated values.
+
+Every field defaults to None: the launcher's heuristic decides. Setting any field other than warp_split keeps
+the unified kernel (the overrides are its variants), unless warp_split=True asks for decode_warps' kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+NO_REGISTER_CAP = 0  # maxnreg value: no cap (ptxas's own, up to 255 registers per thread)
+RING_TILES = (16, 32, 64, 128)  # recent-window tile sizes, tokens
+HEADS_PER_PROGRAM = (1, 2)
+WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """block_m: query rows per program tile; block_n: KV tokens per tile; num_warps, num_stages (software
+    pipeline depth on a GPU); maxnreg: register cap per thread (NO_REGISTER_CAP: none).
+    key_lut: 4-bit / 3-bit-plane keys decoded by byte permutes (False: centroids gathered).
+    value_words: 4-bit value codes as 16-bit words into 4 accumulators (else bytes into 2).
+    exact_program: split decode attends the exact prefix and ring in a program of its own.
+    meta_pairs: per-token metadata loaded as 32-bit words of two tokens; meta_words: else each token's fields
+    from its pair's 32-bit word; vmid_chain: v_mid's load joins the value MMA operand (so it is prefetched);
+    bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
+    int64, as pools of >= 2**31 bytes take); key_words: 4-bit keys as 16-bit code words; head_pairs: KV heads
+    per decode program (1 or 2); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
+    warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too)."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    maxnreg: int | None = None
+    key_lut: bool | None = None
+    value_words: bool | None = None
+    exact_program: bool | None = None
+    meta_pairs: bool | None = None
+    meta_words: bool | None = None
+    vmid_chain: bool | None = None
+    bt_next: bool | None = None
+    pool32: bool | None = None
+    key_words: bool | None = None
+    head_pairs: int | None = None
+    ring_n: int | None = None
+    warp_split: bool | None = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if field.type == "bool | None" and type(value) is not bool:
+                raise TypeError(f"LaunchConfig.{field.name} must be True, False or None, got {value!r}")
+            if field.type == "int | None" and type(value) is not int:
+                raise TypeError(f"LaunchConfig.{field.name} must be an int or None, got {value!r}")
+        _check_choice("block_m", self.block_m, "a power of two >= 16", _pow2_from(16))
+        _check_choice("block_n", self.block_n, "a power of two >= 16", _pow2_from(16))
+        _check_choice("num_warps", self.num_warps, "1, 2, 4, 8 or 16", WARPS.__contains__)
+        _check_choice("num_stages", self.num_stages, "an int >= 1", lambda v: v >= 1)
+        _check_choice("maxnreg", self.maxnreg, f"{NO_REGISTER_CAP} (no cap) or 24 to 255 registers",
+                      lambda v: v == NO_REGISTER_CAP or 24 <= v <= 255)
+        _check_choice("head_pairs", self.head_pairs, "1 or 2", HEADS_PER_PROGRAM.__contains__)
+        _check_choice("ring_n", self.ring_n, "16, 32, 64 or 128 tokens", RING_TILES.__contains__)
+
+    def overrides(self) -> bool:
+        """Whether any heuristic is overridden (then decode_warps' kernel runs only if warp_split asks for it)."""
+        return any(getattr(self, f.name) is not None for f in dataclasses.fields(self))
+
+
+def _pow2_from(low: int):
+    return lambda v: v >= low and v & (v - 1) == 0
+
+
+def _check_choice(name: str, value, supported: str, ok, owner: str = "LaunchConfig") -> None:
+    if value is not None and not ok(value):
+        raise ValueError(f"{owner}.{name} must be {supported}, got {value!r}")
+
+
+DEFAULT = LaunchConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreLaunchConfig:
+    """Overrides of store_kv's launch heuristics, for benchmarks: block_t (tokens per program, a power of two
+    >= 16) and num_warps; None: the heuristic's."""
+
+    block_t: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_t", "num_warps"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:
+                raise TypeError(f"StoreLaunchConfig.{name} must be an int or None, got {value!r}")
+        _check_choice("block_t", self.block_t, "a power of two >= 16", _pow2_from(16), "StoreLaunchConfig")
+        _check_choice("num_warps", self.num_warps, "1, 2, 4, 8 or 16", WARPS.__contains__, "StoreLaunchConfig")

@@ -1,0 +1,211 @@
+"""The unified kernel's launch plan: tiles, split count, register cap and which code decoders it compiles in.
+
+Each default below was measured on an H200 (32/8/128 unless named, S=32k decode); the one-line reasons say
+why, docs/performance.md has the numbers. Overrides come from a LaunchConfig; those that the kernel cannot
+run are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..layout import BlockLayout, key_planes, value_planes
+from .codec_tensors import next_pow2
+from .device import DeviceTraits
+from .key_lut import config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut_asm, lut_words_asm
+from .launch_config import NO_REGISTER_CAP, LaunchConfig
+from .plan import AttentionPlan
+from .reduce import reduce_site
+from .unified import _attn_kernel
+from .workspace import check_workspace
+
+
+def _pick(override, default):
+    """A LaunchConfig field where set, else the heuristic's value."""
+    return default if override is None else override
+
+
+def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *, kv_start, sinks, key_offset,
+                 s_koff: int, prefix_len: int, recent_size: int, exact_buffers: tuple, workspace, scale: float,
+                 sliding_window, softcap, kv_len: int, num_splits, rot, cent, vrot, launch: LaunchConfig,
+                 traits: DeviceTraits) -> AttentionPlan:
+    """The plan of one validated call (attention.plan_attention); kv_len: the host's bound on a walk's length."""
+    b, hq, lq, d = query.shape
+    hk = layout.num_kv_heads
+    g = hq // hk
+    cfg = layout.config
+    rows = g * lq
+    dp = next_pow2(d)
+    dhp = next_pow2(d // 2)
+    on_gpu = traits.tuned_for_gpu
+    ptx = traits.runs_ptx
+    decode = rows <= 64
+    sms = traits.num_sms
+    batch_fills_gpu = 2 * b * hk >= sms  # one decode program per (row, KV head) would fill half the SMs
+    # 4-bit keys by byte permutes (key_lut.py) in decode that runs PTX, at head_dim 128 and (as code words) 64,
+    # where measured faster than the gather; other head_dims are unmeasured
+    wants_lut = _pick(launch.key_lut, d in (64, 128))
+    words = config_lut_words(cfg, d) if decode and ptx and wants_lut else None
+    # 3-bit keys stored as 8 code planes (layout.key_planes): one dot per plane, by the same byte permutes
+    use_planes = key_planes(cfg, d)
+    words3 = config_lut3_words(cfg, d) if use_planes and decode and ptx and wants_lut else None
+    maxnreg = None
+    narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
+    plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
+    # two KV heads per program: their query rows share one 16-row MMA tile, so the softmax, its reductions and
+    # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
+    pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
+    hp = _pick(launch.head_pairs, 2 if pairs else 1)
+    if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
+        block_m = max(16, next_pow2(rows))
+        block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
+        if words and d == 128 and (prefix_len or recent_size):
+            block_n = 128  # with exact prefix/ring buffers 128-token tiles also at small batch
+        if hp > 1 and words:
+            # head pairs on 128-token tiles; with the levers uncapped (in 168 registers their state spilled)
+            block_n, maxnreg = 128, (168 if plain_format else None)
+        elif words and d == 64:
+            maxnreg = 168  # 4-bit code words at head_dim 64: 256-token tiles in 168 registers, levers too
+        elif cfg.key_bits == 8 and d == 64 and on_gpu and not batch_fills_gpu:
+            # FP8 keys at head_dim 64 with token-pair metadata: 128 registers under the levers (uncapped 1.3-1.5x)
+            maxnreg = None if plain_format else 128
+        elif words and d == 128 and batch_fills_gpu:
+            block_n, maxnreg = 128, 128  # the batch fills the GPU: shorter tiles, 4 programs per SM
+        elif cfg.key_bits == 8 and d == 128 and on_gpu:
+            maxnreg = 128  # FP8 keys: 128 registers at any batch (2 programs per SM uncapped)
+        elif words3 and d == 128 and batch_fills_gpu:
+            # 3-bit code planes (uncapped 255 registers with spills); the 3bit plain format fits 168 better
+            maxnreg = 168 if cfg.value_bits == 3 and plain_format else 128
+        elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
+            # mid batch, plain format: 2-warp programs on 128-token tiles, twice the splits (levers: slower)
+            block_n, narrow = 128, True
+    else:
+        block_m = 64 if d == 128 else 32
+        block_n = 64 if d <= 128 else 32
+    if d < 128:
+        # Triton 3.6 on the H200 computes wrong results (and faults) for 64-row tiles at head_dim 32/64 (the wgmma
+        # path); 32-row tiles take the mma.sync path
+        block_m = min(block_m, 32)
+    planes_v = value_planes(cfg, d)
+    if not on_gpu:
+        block_n = 16 if decode else 32
+    block_n = _pick(launch.block_n, block_n)
+    block_m = _pick(launch.block_m, block_m)
+    maxnreg = _pick(launch.maxnreg, maxnreg)
+    if maxnreg == NO_REGISTER_CAP:
+        maxnreg = None
+    num_warps = _pick(launch.num_warps, 2 if narrow else 4)
+    # 4-bit values as 16-bit words (two tokens per MMA operand register): decode tiles of <= 32 rows only (64-row
+    # wgmma tiles computed wrong results), and on a GPU only where every warp gets a column tile of its own
+    # (D/4 >= 8 x warps; at head_dim 64 the words were 2.1x slower than the bytes)
+    value_words = cfg.value_bits == 4 and decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
+    value_words = bool(_pick(launch.value_words, value_words))
+    if value_words and cfg.value_bits != 4:
+        raise ValueError(f"LaunchConfig value_words=True needs 4-bit values, got {cfg.value_bits}-bit")
+    if value_words and on_gpu and (block_m > 32 or d // 4 < 16):
+        raise ValueError(f"LaunchConfig value_words=True needs row tiles of <= 32 rows and head_dim >= 64 on a GPU, "
+                         f"got block_m {block_m}, head_dim {d} (64-row tiles computed wrong results on an H200)")
+    # small-batch decode by the lookup (and FP8 keys at head_dim 64) waits on memory latency: the metadata as
+    # 32-bit token pairs, which the pipeliner prefetches, and 3 stages; at large batch their address arithmetic
+    # costs more than the latency they hide
+    meta_pairs = bool(_pick(launch.meta_pairs, (words is not None or (cfg.key_bits == 8 and d == 64)) and on_gpu
+                            and not batch_fills_gpu and hp == 1))
+    # otherwise each token's fields from its pair's 32-bit word (4-byte loads, prefetched); slower at head_dim 64
+    meta_words = bool(_pick(launch.meta_words, decode and on_gpu and not meta_pairs and d == 128))
+    # the pipeliner prefetches only loads that feed an MMA operand: v_mid joins the value operand as + 0 * v_mid
+    vmid_chain = bool(_pick(launch.vmid_chain, meta_words))
+    # codebook keys: the block-table entries an iteration ahead, so the code loads are direct and 3 stages
+    # double-buffer them; FP8 keys' larger tiles lose, and so does one head per program with centering + value
+    # rotation (spills under the 128-register cap)
+    bt_next = bool(_pick(launch.bt_next, meta_words and cfg.uses_codebook
+                         and (hp > 1 or not (cfg.key_centering or cfg.value_rotation))))
+    num_stages = _pick(launch.num_stages, 3 if (meta_pairs or bt_next) else 2) if on_gpu else 1
+    # rotation="hadamard": the query's rotation (and the bit-stream values' output rotation) built in registers,
+    # not read; 3-bit keys in 64-row (wgmma) tiles computed wrong results that way, so those read R
+    hadamard = cfg.rotation == "hadamard" and (block_m <= 32 or cfg.key_bits != 3)
+    # int32 pool offsets where they fit: fewer 64-bit integer ops per tile; 3-bit values measured slower with them
+    pool32 = bool(_pick(launch.pool32, pool.numel() < 2**31 and cfg.value_bits != 3))
+    if pool32 and pool.numel() >= 2**31:
+        raise ValueError(f"LaunchConfig pool32=True needs a pool of < 2**31 bytes (int32 offsets), got {pool.numel()}")
+    # 4-bit keys as 16-bit code words, two of a token per MMA operand register (the query's operand loads by
+    # ldmatrix) with byte magnitudes: always with head pairs, at head_dim 64, and once the batch fills the GPU
+    # without exact buffers (one head per program elsewhere did not gain)
+    kbytes = config_lut_bytes(cfg, d) if words else None
+    key_words = bool(_pick(launch.key_words, kbytes is not None and (hp > 1 or d == 64 or (
+        batch_fills_gpu and not (prefix_len or recent_size)))))
+    if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)
+                          and (kbytes is not None or words is None)):
+        raise ValueError(f"LaunchConfig key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim "
+                         f"64, 128 or 256, got {rows} rows, {cfg.key_bits}-bit "
+                         f"{'codebook' if cfg.uses_codebook else 'FP8'} keys, head_dim {d}")
+    if hp > 1 and not (key_words and value_words and decode and rows <= 16 // hp and block_m == 16 and hk % hp == 0
+                       and not meta_pairs):
+        raise ValueError(f"LaunchConfig head_pairs={hp} needs decode (<= {16 // hp} rows per KV head, 16-row tiles) "
+                         "with 4-bit key and value words (key_words, value_words), without meta_pairs, and a KV head "
+                         f"count divisible by {hp}; got {rows} rows, block_m {block_m}, key_words={key_words}, "
+                         f"value_words={value_words}, meta_pairs={meta_pairs}, {hk} KV heads")
+    m_tiles = triton.cdiv(rows, block_m)
+    kv_tiles = max(1, triton.cdiv(kv_len, block_n))
+    if num_splits is None:
+        programs = b * (hk // hp) * m_tiles
+        # waves of programs per SM: FP8 keys dequantize cheaply and want more loads in flight; a power of two
+        # splits the (power-of-two) tile counts evenly; also once every SM has a program (one per SM left the
+        # other program slots idle)
+        waves = 4 if cfg.key_bits == 8 else 3
+        if words and num_warps == 2:
+            waves *= 2
+        want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
+        num_splits = 1 if m_tiles > 1 else 1 << (want.bit_length() - 1)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    split = num_splits > 1
+    if split and m_tiles != 1:
+        raise ValueError("split-KV needs all query rows of a KV head in one tile (G * Lq <= 64)")
+    # split decode with exact prefix/ring buffers while the GPU has programs to spare: one extra program attends
+    # the dense tiles alongside the pool's walks (appended to the first/last split they made it the slowest)
+    exact_prog = bool(_pick(launch.exact_program, not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
+    ns_all = num_splits + exact_prog
+
+    # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
+    # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
+    exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and ptx)) and all(
+        x.dtype == query.dtype for x in exact_buffers if x is not None)
+
+    ring_n = min(32, max(16, next_pow2(recent_size)))  # the recent window's tile, tokens
+    if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
+        ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
+    ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
+
+    workspace_numel = 0
+    partial_rows = b * hk * ns_all * (block_m // hp)
+    if split:
+        workspace_numel = partial_rows * (dp + 1)
+        check_workspace(workspace, workspace_numel, pool.device)
+    constants = dict(
+        D=d, DP=dp, HALF_DP=dhp, CODE_GROUPS=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
+        META=layout.metadata_offset, KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits,
+        NC=(1 << cfg.key_bits) if cfg.uses_codebook else 1,
+        BLOCK_M=block_m, QUARTER_DP=next_pow2(d // 4),
+        HAS_KV_START=kv_start is not None, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
+        HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
+        HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
+        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
+        EXACT_16=exact16,
+        VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
+        KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
+        LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
+        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
+        KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+    return AttentionPlan(
+        layout=layout, kernel=_attn_kernel, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n,
+        num_stages=num_stages, split=split, ns_all=ns_all, partial_rows=partial_rows, dp=dp,
+        workspace_numel=workspace_numel, rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len,
+        recent_size=recent_size, scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
+                                          layout.block_bytes, layout.plane_bytes),
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp) if split else None,
+    )
