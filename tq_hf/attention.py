@@ -58,7 +58,8 @@ def turboquant_attention_forward(
             _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
             step.layer.recenter(key, value, step.start)
             step.layer.fill_prefix(key, value, step.start)
-            _keep_dense_if_sensitive(step, query, key, value, scale, softcap)
+            if not _keep_dense_if_sensitive(step, query, key, value, scale, softcap):
+                _reserve_decode_workspace(step.layer, query, scale, sliding_window, sinks, softcap)
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
 
@@ -77,6 +78,7 @@ def turboquant_attention_forward(
         if _keep_dense_if_sensitive(step, query, key, value, scale, softcap):  # this forward too: dense
             return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                            softcap, sinks, is_causal, **kwargs)
+        _reserve_decode_workspace(layer, query, scale, sliding_window, sinks, softcap)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
@@ -89,7 +91,7 @@ def turboquant_attention_forward(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=out.transpose(1, 2),
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
-        **_exact_overlays(layer),
+        **_exact_overlays(layer), **_decode_workspace(layer, query),
     )
     return out.transpose(1, 2), None
 
@@ -107,6 +109,29 @@ def _keep_dense_if_sensitive(step: LayerStep, query: torch.Tensor, key: torch.Te
         return False
     layer.keep_dense(key, value)
     return True
+
+
+def _reserve_decode_workspace(layer, query: torch.Tensor, scale: float, sliding_window: int | None,
+                              sinks: torch.Tensor | None, softcap: float | None) -> None:
+    """A fixed-capacity layer's split scratch for its decode steps, sized at the (eager) prefill: a captured
+    step then allocates nothing. Kept across batches while it is large enough (a static address)."""
+    if layer.max_cache_len is None or torch.compiler.is_compiling():
+        return
+    need = ops.decode_workspace_numel(query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
+                                      kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks,
+                                      softcap=softcap, max_seq_len=layer.max_cache_len, key_offset=layer.key_offset,
+                                      **_exact_overlays(layer))
+    have = layer.decode_workspace
+    if need and (have is None or have.numel() < need):
+        layer.decode_workspace = torch.empty(need, dtype=torch.float32, device=query.device)
+        torch._dynamo.mark_static_address(layer.decode_workspace)
+
+
+def _decode_workspace(layer, query: torch.Tensor) -> dict:
+    """The layer's own split scratch for a one-token step, when it has one."""
+    if query.shape[2] != 1 or getattr(layer, "decode_workspace", None) is None:
+        return {}
+    return {"workspace": layer.decode_workspace}
 
 
 def _check_query(query: torch.Tensor, layer) -> None:

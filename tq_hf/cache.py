@@ -97,6 +97,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.config_kv_heads = layout.num_kv_heads
         self.max_cache_tokens = max_cache_tokens
         self.replace_with_dense = None  # set by the owning TurboQuantCache: (key, value) -> None
+        self.decode_workspace: torch.Tensor | None = None  # fixed capacity: split scratch of decode steps
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
         self._drop_buffers()

@@ -66,11 +66,13 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
             kwargs.get("sliding_window"), kwargs.get("sinks"), kwargs.get("softcap"), kwargs.get("max_seq_len"),
             kwargs.get("key_offset"), kwargs.get("prefix_keys"), kwargs.get("prefix_values"),
             kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0),
+            kwargs.get("workspace"),
         ).transpose(1, 2)
     if use_kernels(pool):
         from .kernels import unified_attention
 
         return unified_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
+    kwargs.pop("workspace", None)  # the kernels' split scratch
     result = reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
     return result if out is None else out.copy_(result)
 
@@ -90,27 +92,45 @@ def _(pool, layout, key, value, slots, key_offset, recent_keys, recent_values, s
     return None
 
 
+# `workspace` is scratch the op writes before it reads it: not declared mutated (nothing outside reads it)
 @torch.library.custom_op("tq_hf::paged_attention", mutates_args=())
 def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_table: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, kv_start: torch.Tensor | None, sliding_window: int | None,
                         sinks: torch.Tensor | None, softcap: float | None, max_seq_len: int | None,
                         key_offset: torch.Tensor | None, prefix_keys: torch.Tensor | None,
                         prefix_values: torch.Tensor | None, recent_keys: torch.Tensor | None,
-                        recent_values: torch.Tensor | None, recent_from: int) -> torch.Tensor:
+                        recent_values: torch.Tensor | None, recent_from: int,
+                        workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
     out = _query_major(query)
     paged_attention(query, pool, _LAYOUTS[layout], block_table, seq_lens, scale, out=out.transpose(1, 2),
                      kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
                      max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys,
                      prefix_values=prefix_values, recent_keys=recent_keys, recent_values=recent_values,
-                     recent_from=recent_from)
+                     recent_from=recent_from, **({} if workspace is None else {"workspace": workspace}))
     return out
 
 
 @_paged_attention_op.register_fake
 def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap, max_seq_len,
-      key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from) -> torch.Tensor:
+      key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from, workspace=None) -> torch.Tensor:
     return _query_major(query)
+
+
+def decode_workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, **kwargs) -> int:
+    """fp32 elements of split-KV scratch that one-token decode steps of `query`'s rows and heads need (0: none).
+
+    A fixed-capacity layer owns such a buffer, made eagerly: a captured decode step must not allocate it (an
+    allocation inside CUDA-graph capture lands in the graph's private pool), nor share the global buffer that a
+    later, larger plan would replace under an earlier graph."""
+    if not use_kernels(pool):
+        return 0
+    from .kernels import plan_attention
+
+    kwargs.pop("recent_from", None)  # a kernel argument, not a plan input
+    plan = plan_attention(query[:, :, -1:], pool, layout, block_table, seq_lens, scale, **kwargs)
+    return plan.workspace_numel if plan.split else 0
 
 
 def _query_major(query: torch.Tensor) -> torch.Tensor:
