@@ -7,6 +7,8 @@ import torch
 # imports triton, and any test module may (tq_hf.kernels through tq_hf.ops), so it is set here.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)  # one thread per xdist worker: the workers already fill the cores
 
 
 def pytest_collection_modifyitems(config, items):

@@ -198,6 +198,7 @@ print(lloyd_max(128, 3).centroids.tolist())
 """
 
 
+@pytest.mark.slow
 def test_rotation_and_codebook_deterministic_across_processes():
     """A cache written by one process must be readable by another: same seed -> same bits."""
     there = subprocess.run([sys.executable, "-c", _CHECKSUM_SCRIPT], capture_output=True, text=True, check=True).stdout

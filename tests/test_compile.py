@@ -106,6 +106,7 @@ def test_compiled_decode_of_other_families(family, sliding, dynamo):
     assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what=f"{family} {sliding} logits")
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_decode_step(dynamo):
     """The default backend on CPU: the custom ops run inside an inductor graph (the pool mutated in place)."""
     model = tiny_model("llama")
@@ -131,6 +132,7 @@ def test_compiled_steps_keep_the_cache_state_readable(dynamo):
     assert cache.get_seq_length() == ids.shape[1] + 3
 
 
+@pytest.mark.slow
 def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
     """A prefill inside the compiled region (as generate()'s chunked prefill on transformers >= 5.24) takes a graph
     break for each layer's first update (host logic: padding, means, prefix bound), then decodes as usual."""

@@ -32,6 +32,7 @@ def _compile_check(*args: str) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow
 def test_three_bit_keys_at_head_dim_256_fit_an_h200():
     """3-bit keys at Gemma's head_dim 256 with every lever: the store (which cannot step down) and
     the decode attention. Before the rotations were split into column halves the store needed
@@ -42,6 +43,7 @@ def test_three_bit_keys_at_head_dim_256_fit_an_h200():
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow
 def test_four_bit_key_lookup_decodes_in_the_mma_operand_layout():
     """4-bit decode with the prmt lookup compiles for sm_90a, and its shared memory shows that the
     key tiles are decoded in registers: the plain format's two KV heads per program take 83,968 B

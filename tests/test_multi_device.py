@@ -191,6 +191,7 @@ def test_device_map_with_disk_layers_generates_as_on_one_device(tmp_path, dtype)
         assert report["max_logit_diff"][kind] <= 1e-5
 
 
+@pytest.mark.slow
 def test_tensor_parallel_under_torchrun_on_cpu(tmp_path):
     """2 gloo ranks, tp_plan="auto": each rank's pools hold 2 of 4 KV heads, half the bytes, same tokens."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",

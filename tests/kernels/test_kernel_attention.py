@@ -70,6 +70,7 @@ def test_head_dims_block_sizes_dtypes(head_dim, block_size, dtype):
 # the pool's addresses as int32 offsets (pools of < 2**31 bytes, every other test) and as int64 (larger
 # pools, forced here): decode with splits and the metadata pairs, and a prefill, for every key format
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.slow
 def test_pool_addresses_in_int64(preset):
     layout = make_layout(preset, 2, 128, 32)
     _check(layout, [5, 130, 77], 1, 4, num_splits=3, launch=LaunchConfig(pool32=False, meta_pairs=True))
@@ -399,6 +400,7 @@ def test_recent_window_mutation_is_detected():
     ([300, 9], 16, 4, 32),  # 64 query rows at head_dim 32: the row tile the H200 needs (<= 32)
     ([700], 1, 8, 128),  # decode: many splits on 132 SMs
 ])
+@pytest.mark.slow
 def test_gpu_launch_choices_match_reference(lens, q_len, group, head_dim):
     gpu_tiles = DeviceTraits(num_sms=132, runs_ptx=False, tuned_for_gpu=True)  # the interpreter runs no PTX
     _check(make_layout("4bit", 2, head_dim), lens, q_len, group, device_traits=gpu_tiles)
@@ -881,6 +883,7 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
 # 4-bit values: 16-bit words into 4 accumulators (decode) or bytes into 2 (prefill, small head_dims)
 @pytest.mark.parametrize("value_words", [True, False])
 @pytest.mark.parametrize("preset,options", [("4bit", True), ("k8v4", False), ("k3v4", True)])
+@pytest.mark.slow
 def test_decode_value_paths(value_words, preset, options):
     """Both 4-bit value paths against the reference in one decode launch shape, with the exact
     prefix and ring (their values join the code accumulators in each path's scale) and value_rotation
@@ -894,6 +897,7 @@ def test_decode_value_paths(value_words, preset, options):
 
 # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators of D/4 coordinates
 @pytest.mark.parametrize("head_dim,options", [(128, False), (128, True), (256, True)])
+@pytest.mark.slow
 def test_decode_three_bit_value_planes(head_dim, options):
     """3-bit value planes against the reference, with the exact prefix and ring (their values join the
     4 accumulators in the planes' scale), left padding, splits and value_rotation (the epilogue rotates
@@ -913,6 +917,7 @@ def test_decode_three_bit_value_planes(head_dim, options):
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 @pytest.mark.parametrize("options", [False, True])
 @pytest.mark.parametrize("meta", ["meta_pairs", "meta_words", "meta_words+bt_next"])
+@pytest.mark.slow
 def test_meta_pairs_decode(block_size, options, meta):
     layout = make_layout("4bit", 2, 64, block_size, key_centering=options, value_rotation=options)
     tuning = {m: True for m in meta.split("+")} | ({"vmid_chain": True} if "bt_next" in meta else {})
@@ -936,6 +941,7 @@ def _check_decode_walks(layout, options: bool, tuning: dict) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("options", [False, True])
 @pytest.mark.parametrize("meta", [None, "meta_words", "meta_pairs"])
+@pytest.mark.slow
 def test_key_words_decode(head_dim, options, meta):
     layout = make_layout("4bit", 2, head_dim, 16, key_centering=options, value_rotation=options)
     _check_decode_walks(layout, options, {"key_words": True} | ({meta: True} if meta else {}))
@@ -952,6 +958,7 @@ def test_fp8_keys_meta_pairs_decode(options):
 # and causal tiles, splits, windows, sinks, Lq 2, 2 and 4 KV heads, both metadata loads
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("meta_words", [False, True])
+@pytest.mark.slow
 def test_head_pairs_decode(head_dim, meta_words):
     layout = make_layout("4bit", 2, head_dim, 16)
     tuning = {"key_words": True, "head_pairs": 2} | ({"meta_words": True, "vmid_chain": True, "bt_next": True}
@@ -968,6 +975,7 @@ def test_head_pairs_decode(head_dim, meta_words):
 # in split programs and in an exact program of their own, per-row key means [B, Hk, D], cache blocks of 16-64 tokens
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 16), (64, 32), (64, 64)])
 @pytest.mark.parametrize("exact_program", [False, True])
+@pytest.mark.slow
 def test_head_pairs_with_format_options(head_dim, block_size, exact_program):
     layout = make_layout("4bit", 2, head_dim, block_size, key_centering=True, value_rotation=True)
     tuning = {"key_words": True, "head_pairs": 2, "meta_words": True, "exact_program": exact_program}

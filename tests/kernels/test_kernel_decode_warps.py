@@ -44,6 +44,7 @@ def _check(layout, lens, group, q_len=1, dtype=torch.float16, device=DEVICE, sca
     (2, 2, 64, [90, 33]),  # two query positions: the causal boundary inside the last tile
     (1, 4, 128, [70, 19]),
 ])
+@pytest.mark.slow
 def test_warp_decode_matches_reference(group, q_len, head_dim, lens):
     _check(make_layout("4bit", 4, head_dim), lens, group, q_len)
 

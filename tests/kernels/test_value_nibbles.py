@@ -4,6 +4,7 @@ through the PTX emulator on every 16-bit word: the CPU interpreter runs no PTX."
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS, PLANES_ASM
 
@@ -34,6 +35,7 @@ def test_every_word_becomes_its_four_nibbles_as_fp16_subnormals():
                                    f"-> {values[bad[0]]!r}, want {want[j][bad[0]] * 2.0 ** -24!r} ({bad.size} wrong)")
 
 
+@pytest.mark.slow
 def test_every_plane_word_becomes_its_four_3bit_codes_as_fp16_subnormals():
     """3-bit value planes: each 16-bit half (a token's 2-bit-plane byte L, its column's bit-plane bits at
     bits 8 + 2a) gives, in the same half of output $a, the fp16 value code * 2**-24 of
