@@ -55,11 +55,7 @@ def turboquant_attention_forward(
     step: LayerStep | None = getattr(key, STEP_ATTRIBUTE, None)
     if step is None or step.exact:
         if step is not None:
-            _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
-            step.layer.recenter(key, value, step.start)
-            step.layer.fill_prefix(key, value, step.start)
-            if not _keep_dense_if_sensitive(step, query, key, value, scale, softcap):
-                _reserve_decode_workspace(step.layer, query, scale, sliding_window, sinks, softcap)
+            _settle_prefill(step, attention_mask, query, key, value, scale, sliding_window, sinks, softcap)
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
 
@@ -71,14 +67,11 @@ def turboquant_attention_forward(
         raise ValueError("attention dropout is not supported over a TurboQuantCache (the model is in training mode)")
     layer = step.layer
     _check_query(query, layer)
-    if step.refresh_padding:  # (a decode step's update already filled the prefix with the padding it knew)
-        _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
-        layer.recenter(key, value, step.start)
-        layer.fill_prefix(key, value, step.start)
-        if _keep_dense_if_sensitive(step, query, key, value, scale, softcap):  # this forward too: dense
-            return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
-                                           softcap, sinks, is_causal, **kwargs)
-        _reserve_decode_workspace(layer, query, scale, sliding_window, sinks, softcap)
+    # (a decode step's update already filled the prefix with the padding it knew)
+    if step.refresh_padding and _settle_prefill(step, attention_mask, query, key, value, scale, sliding_window,
+                                                sinks, softcap):  # the layer went dense: this forward too
+        return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
+                                       softcap, sinks, is_causal, **kwargs)
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
@@ -94,6 +87,20 @@ def turboquant_attention_forward(
         **_exact_overlays(layer), **_decode_workspace(layer, query),
     )
     return out.transpose(1, 2), None
+
+
+def _settle_prefill(step: LayerStep, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, scale: float, sliding_window: int | None, sinks: torch.Tensor | None,
+                    softcap: float | None) -> bool:
+    """What a prefill-like forward settles from its mask and exact K/V: the rows' padding, the centering means,
+    the exact prefix, the per-layer check, the decode scratch. True when the layer went dense."""
+    _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
+    step.layer.recenter(key, value, step.start)
+    step.layer.fill_prefix(key, value, step.start)
+    if _keep_dense_if_sensitive(step, query, key, value, scale, softcap):
+        return True
+    _reserve_decode_workspace(step.layer, query, scale, sliding_window, sinks, softcap)
+    return False
 
 
 def _keep_dense_if_sensitive(step: LayerStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
