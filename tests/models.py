@@ -110,10 +110,15 @@ def fake_quantize(key: torch.Tensor, value: torch.Tensor, cfg: TurboQuantConfig,
 
 
 class FakeQuantLayer(DynamicLayer):
-    """Stores quantize-dequantized K/V; a first prefill in "exact" mode attends over the exact ones.
+    """Holds the exact history and returns what TurboQuantCache reconstructs from it: every position
+    quantize-dequantized with the row's current key_centering means, the exact prefix (positions
+    kv_start[b] + s, s < P), and the exact ring (the last W positions; for a forward of several tokens over
+    a non-empty history, the W positions before it and its own tokens). A first prefill in "exact" mode
+    attends over its own K/V.
 
-    exact_prefix_tokens: an exact copy of the history is kept too, and positions
-    kv_start[b] + s (s < P) are read from it, as the compressed cache reads its exact prefix.
+    The means (the spec, independent of cache.py): each row's real positions [kv_start, kv_start + W)
+    that have arrived (W = recent_window), whatever forwards they came in; without a ring (W = 0), the real
+    tokens of the first update. (A growing cache: a fixed-capacity one settles them at its first update.)
     """
 
     def __init__(self, cfg: TurboQuantConfig, cache: "FakeQuantCache"):
@@ -121,58 +126,54 @@ class FakeQuantLayer(DynamicLayer):
         self.cfg = cfg
         self.cache = cache
         self.key_offset = None
-        self.exact = DynamicLayer() if cfg.exact_prefix_tokens or cfg.recent_window else None
         self.recent_from = 0
+        self.settles_means = cfg.recent_window > 0
 
     def update(self, key_states, value_states, *args, **kwargs):
-        first = self.get_seq_length() == 0
-        if self.cfg.key_centering and self.key_offset is None:  # independent of cache.py: the spec's mean,
-            start = self.cache.kv_start_for(key_states.shape[0]).to(key_states.device)  # per row, pads left out
-            real = (torch.arange(key_states.shape[2], device=key_states.device)[None, :] >= start[:, None])[:, None, :, None]
-            total = torch.where(real, key_states.float(), 0.0).sum(2)
-            self.key_offset = total / real.sum(2).clamp_min(1)
-        k, v = fake_quantize(key_states.cpu(), value_states.cpu(), self.cfg,
-                             None if self.key_offset is None else self.key_offset.cpu())
-        k, v = k.to(key_states.device), v.to(key_states.device)
-        keys, values = super().update(k.to(key_states.dtype), v.to(value_states.dtype))
-        if self.exact is not None:
-            exact_k, exact_v = self.exact.update(key_states, value_states)
-            start = self.cache.kv_start_for(keys.shape[0]).to(keys.device)
-            keys = _prefix_from(keys, exact_k, start, self.cfg.exact_prefix_tokens)
-            values = _prefix_from(values, exact_v, start, self.cfg.exact_prefix_tokens)
-            if self.cfg.recent_window:  # the last W positions (not cropped away since written) are exact
-                lo = max(self.recent_from, keys.shape[2] - self.cfg.recent_window)
-                keys, values = keys.clone(), values.clone()
-                keys[:, :, lo:] = exact_k[:, :, lo:]
-                values[:, :, lo:] = exact_v[:, :, lo:]
-        if first and self.cfg.prefill_attention == "exact":
+        start = self.get_seq_length()
+        new = key_states.shape[2]
+        keys, values = super().update(key_states, value_states)  # the exact history
+        rows, length = keys.shape[0], keys.shape[2]
+        first_real = self.cache.kv_start_for(rows).to(keys.device)
+        pos = torch.arange(length, device=keys.device)
+        if self.cfg.key_centering and (self.settles_means or self.key_offset is None):
+            real = pos[None, :] >= first_real[:, None]
+            if self.settles_means:
+                real &= pos[None, :] < first_real[:, None] + self.cfg.recent_window
+            weights = real[:, None, :, None]
+            means = torch.where(weights, keys.float(), 0.0).sum(2) / weights.sum(2).clamp_min(1)
+            if self.key_offset is not None:  # rows complete before this update keep their means
+                done = (first_real + self.cfg.recent_window <= start)[:, None, None]
+                means = torch.where(done, self.key_offset, means)
+            self.key_offset = means
+        k, v = fake_quantize(keys.cpu(), values.cpu(), self.cfg, None if self.key_offset is None else self.key_offset.cpu())
+        k, v = k.to(keys.device, keys.dtype), v.to(keys.device, values.dtype)
+        k = _prefix_from(k, keys, first_real, self.cfg.exact_prefix_tokens)
+        v = _prefix_from(v, values, first_real, self.cfg.exact_prefix_tokens)
+        forward_window = start > 0 and new > 1 and self.cfg.prefill_attention == "exact"
+        lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
+        if self.cfg.recent_window or forward_window:
+            k[:, :, lo:], v[:, :, lo:] = keys[:, :, lo:], values[:, :, lo:]
+        if start == 0 and self.cfg.prefill_attention == "exact":
             return key_states, value_states
-        return keys, values
+        return k, v
 
     def crop(self, max_length):
         if self.cfg.recent_window:
             self.recent_from = max(self.recent_from, self.get_seq_length() - self.cfg.recent_window)
         super().crop(max_length)
-        if self.exact is not None:
-            self.exact.crop(max_length)
 
     def reorder_cache(self, beam_idx):
         super().reorder_cache(beam_idx)
-        if self.exact is not None:
-            self.exact.reorder_cache(beam_idx)
         self._select_offsets(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        if self.exact is not None:
-            self.exact.batch_repeat_interleave(repeats)
         if self.key_offset is not None:
             self.key_offset = self.key_offset.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices):
         super().batch_select_indices(indices)
-        if self.exact is not None:
-            self.exact.batch_select_indices(indices)
         self._select_offsets(indices)
 
     def _select_offsets(self, indices):
@@ -183,6 +184,8 @@ class FakeQuantLayer(DynamicLayer):
 def _prefix_from(quantized, exact, start, p):
     """quantized [B, H, S, D] with positions start[b] + s (s < p) taken from exact (a plain loop)."""
     out = quantized.clone()
+    if not p:
+        return out
     for b in range(out.shape[0]):
         lo = int(start[b])
         out[b, :, lo : lo + p] = exact[b, :, lo : lo + p]

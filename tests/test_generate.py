@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from tq_hf import TurboQuantCache
 
 ATOL = 1e-4  # fp32 logits: same math in a different order (paged reference vs sdpa over dense K/V)
+CODE_FLIP_ATOL = 2e-3  # ... where a long run lets one code flip at a rounding boundary (see its use)
 
 
 def compare(model, ids, mask, cfg, what, device="cpu", atol=ATOL, oracle_padding=True, **kwargs):
@@ -150,7 +151,9 @@ def test_cache_reuse_across_generate_calls():
         results.append(generate(model, ids2, mask2, cache, max_new_tokens=6))
         assert cache.get_seq_length() == ids2.shape[1] + 5
     assert torch.equal(results[0][0], results[1][0])
-    assert_close(results[0][1], results[1][1], atol=ATOL, rtol=1e-4, what="second turn logits")
+    # the two runs' K/V differ by ~1e-6 (paged vs sdpa math), enough to flip a value code sitting on a rounding
+    # boundary (seen: 0.011 in one value, 4e-4 in the logits); a wrong history or mask moves them by > 0.1
+    assert_close(results[0][1], results[1][1], atol=CODE_FLIP_ATOL, rtol=1e-4, what="second turn logits")
 
 
 def test_other_attention_implementation_over_the_cache():

@@ -72,8 +72,11 @@ def turboquant_attention_forward(
                                                 sinks, softcap):  # the layer went dense: this forward too
         return dense_attention_forward(module, query, key, value, attention_mask, dropout, scale, sliding_window,
                                        softcap, sinks, is_causal, **kwargs)
+    window = step.window if layer.layout.config.prefill_attention == "exact" else None
     if layer.needs_full_mask:  # padding inside rows: only HF's mask describes it
         k, v = layer.dequantized()
+        if window is not None:  # this forward's own tokens (and the ring's history) exact
+            k, v = (reference.overlay_recent(x, ring, layer.seq_lens, layer.recent_from) for x, ring in zip((k, v), window))
         mask = _bool_mask(attention_mask, query, k.shape[2], sliding_window, True)
         out = _chunked_dense(query, k, v, mask, scale, sinks, softcap).to(query.dtype)
         return out.transpose(1, 2).contiguous(), None
@@ -84,7 +87,7 @@ def turboquant_attention_forward(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=out.transpose(1, 2),
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
-        **_exact_overlays(layer), **_decode_workspace(layer, query),
+        **_exact_overlays(layer, window), **_decode_workspace(layer, query),
     )
     return out.transpose(1, 2), None
 
@@ -95,7 +98,7 @@ def _settle_prefill(step: LayerStep, attention_mask: torch.Tensor | None, query:
     """What a prefill-like forward settles from its mask and exact K/V: the rows' padding, the centering means,
     the exact prefix, the per-layer check, the decode scratch. True when the layer went dense."""
     _refresh_padding(step, attention_mask, query.shape[0], sliding_window)
-    step.layer.recenter(key, value, step.start)
+    step.layer.recenter(key, value, step.start, step.window)
     step.layer.fill_prefix(key, value, step.start)
     if _keep_dense_if_sensitive(step, query, key, value, scale, softcap):
         return True
@@ -155,12 +158,15 @@ def _check_query(query: torch.Tensor, layer) -> None:
         raise ValueError(f"query is on {query.device} but the TurboQuantCache layer is on {layer.pool.device}")
 
 
-def _exact_overlays(layer) -> dict:
-    """The exact-token side buffers of a layer (exact_prefix_tokens, recent_window) as kernel kwargs."""
+def _exact_overlays(layer, window: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
+    """The exact-token side buffers of a layer (exact_prefix_tokens, recent_window) as kernel kwargs; `window`:
+    a multi-token forward's own ring (LayerStep.window), which stands in for the layer's ring."""
     extra = {}
     if layer.prefix_keys is not None:
         extra.update(prefix_keys=layer.prefix_keys, prefix_values=layer.prefix_values)
-    if layer.recent_keys is not None:
+    if window is not None:
+        extra.update(recent_keys=window[0], recent_values=window[1], recent_from=layer.recent_from)
+    elif layer.recent_keys is not None:
         extra.update(recent_keys=layer.recent_keys, recent_values=layer.recent_values, recent_from=layer.recent_from)
     return extra
 

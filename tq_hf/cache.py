@@ -76,6 +76,9 @@ class LayerStep:
     exact: bool
     refresh_padding: bool
     start: int  # position of the first new token
+    # a forward of several tokens over a non-empty history: the exact ring's positions before `start` and the
+    # forward's own K/V, as one ring of W + new slots (position p at slot p % (W + new)); see forward_window
+    window: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TurboQuantLayer(CacheLayerMixin):
@@ -126,6 +129,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
         self.key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means, from the first update
         self._recenter_pending = False  # the means came from this forward's update: the attention may drop pads
+        # key_centering means still settling: some row has fewer than `recent_window` real tokens (see settle_means)
+        self._centering_open = False
+        self._max_start = 0  # host bound on every row's first real position (set_padding)
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
         self._prefix_open = False  # length < prefix_fill_until, kept as a flag (a compiled step reads no length)
         self.recent_from = 0  # host int: the ring is valid from max(recent_from, length - W) (crop lowers it)
@@ -174,7 +180,9 @@ class TurboQuantLayer(CacheLayerMixin):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress and store the new tokens; see the module docstring for what is returned."""
         if self.max_cache_len is not None and torch.compiler.is_compiling():
-            if self._starting or (self.layout.config.key_centering and self.key_offset is None):
+            new = key_states.shape[2]  # (a one-token step never reads _centering_open: no guard, no recompile)
+            if self._starting or (new > 1 and self._centering_open) or (self.layout.config.key_centering
+                                                                       and self.key_offset is None):
                 return _untraced_update(self, key_states, value_states, dense)
             return self._traced_update(key_states, value_states, dense)
         self._starting = False
@@ -204,16 +212,26 @@ class TurboQuantLayer(CacheLayerMixin):
             self.recent_values = self._zeros(self.recent_values, shape, value_states.dtype)
             self.recent_from = 0
         self._recenter_pending = False
+        # (read before the store below overwrites the ring slots of the oldest positions)
+        wants_window = not was_empty and (new > 1 and not dense or self._centering_open)
+        window = self.forward_window(key_states, value_states, start) if wants_window else None
         if was_empty:  # a new batch (or the same rows after crop(0)): new key_centering means
             self.key_offset = None
-        if self.layout.config.key_centering and self.key_offset is None:
-            self.key_offset = _key_mean(key_states)  # per row and KV head, over the first tokens
-            self._recenter_pending = not dense  # the "turboquant" attention refines it once padding is known
+            self._centering_open = self._settles_means()
+        if self._centering_open:
+            self._settle_means(key_states, value_states, window, start)
+            # a prefill-like forward: the "turboquant" attention refines the means once its mask tells the padding
+            self._recenter_pending = not dense and (was_empty or new > 1)
+        elif self.layout.config.key_centering and self.key_offset is None:
+            self.key_offset = _key_mean(key_states)  # per row and KV head, over the first update's tokens
+            self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                   key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
         self.length = start + new
+        if not self._recenter_pending:  # (else the attention closes it once this forward's padding is known)
+            self._close_centering()
 
         exact = was_empty and self.layout.config.prefill_attention == "exact"
         # padding known so far (none at a first prefill: the prefix then counts from position 0; the
@@ -224,7 +242,7 @@ class TurboQuantLayer(CacheLayerMixin):
             if self.max_cache_len is not None:  # as StaticLayer: the whole capacity, HF's mask hides the rest
                 return self._dense_capacity(key_states, value_states, start if exact else None)
             return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
-        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start))
+        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start, window))
         return key_states, value_states
 
     def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -241,6 +259,7 @@ class TurboQuantLayer(CacheLayerMixin):
         kept = pos < limit
         slots = self._row_slots[:, None] + ((pos // t) * (self.rows * t) + pos % t)[None, :]
         slots = torch.where(kept[None, :], slots, -1).flatten()
+        window = self.forward_window(key_states, value_states, pos[0]) if new > 1 and not dense else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                   key_offset=self.key_offset)
         if self.recent_keys is not None:  # the last min(new, W) tokens into ring slot position % W, kept slots only
@@ -255,7 +274,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self._length_on_device = True
         if dense:
             return self._dense_capacity(key_states, value_states, None)
-        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, False, False, -1))
+        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, False, False, -1, window))
         return key_states, value_states
 
     def _dense_capacity(self, key_states: torch.Tensor, value_states: torch.Tensor,
@@ -394,6 +413,7 @@ class TurboQuantLayer(CacheLayerMixin):
         """
         self.kv_start = None if kv_start is None else kv_start.to(self.device, torch.int32)
         self.needs_full_mask = self.needs_full_mask or not contiguous
+        self._max_start = max_start
         if self.prefix_keys is not None:
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
             self._prefix_open = self.length < self.prefix_fill_until
@@ -405,16 +425,22 @@ class TurboQuantLayer(CacheLayerMixin):
             raise RuntimeError("this TurboQuantLayer belongs to no TurboQuantCache")
         self.replace_with_dense(key_states, value_states)
 
-    def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+    def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
+                 window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Once this forward's mask has told where each row's padding ends (set_padding), take the
         key_centering means over the real tokens only and store the update's tokens again with them.
 
-        Runs at most once, in the forward whose update set the means, and only if rows are padded:
+        Runs in the forward whose update set (or moved) the means, and only if rows are padded:
         the stored codes then never depend on pad tokens, nor on the other rows of the batch.
         """
         if not self._recenter_pending:
             return
         self._recenter_pending = False
+        if self._centering_open:
+            if self.kv_start is not None:
+                self._settle_means(key_states, value_states, window, start, restore_new=True)
+            self._close_centering()
+            return
         if self.kv_start is None:
             return
         rows, _, new, _ = key_states.shape
@@ -423,6 +449,71 @@ class TurboQuantLayer(CacheLayerMixin):
         self.key_offset = _key_mean(key_states, real)
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
                   self._slots(start, new), key_offset=self.key_offset)
+
+    # ---- key_centering means ------------------------------------------------------------------------
+    def _settles_means(self) -> bool:
+        """Whether this layer's means come from each row's first `recent_window` real tokens, whatever forwards
+        they arrive in (chunked prefill, a prompt fed token by token, decode): a layer with a ring, which holds
+        every token of a row until that row's means are final. (A compiled one-token step of a fixed-capacity layer
+        leaves them as they are, and stores with them: a captured step cannot store history again. A row then keeps
+        the means it has once it holds `recent_window` real tokens; one still short of them, all of whose tokens
+        are in the ring, is refined by the next eager update.)"""
+        cfg = self.layout.config
+        return cfg.key_centering and cfg.recent_window > 0
+
+    def _settle_means(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                      window: tuple[torch.Tensor, torch.Tensor] | None, start: int, restore_new: bool = False) -> None:
+        """Means over each row's real positions [kv_start, kv_start + W) seen so far (W = recent_window), from the
+        exact tokens (the ring's history and this forward's tokens); rows whose means were already final keep
+        them. The history's tokens in the ring are stored again with the new means (restore_new: this forward's
+        tokens too), so every stored code of a row goes with the row's current means."""
+        w = self.layout.config.recent_window
+        first = start if window is None else start - self.ring_size
+        keys = key_states if window is None else _in_position_order(window[0], first)
+        pos = first + torch.arange(keys.shape[2], device=self.device)
+        lo = torch.zeros(self.rows, dtype=torch.long, device=self.device) if self.kv_start is None else self.kv_start.long()
+        real = (pos[None, :] >= lo[:, None]) & (pos[None, :] < lo[:, None] + w) & (pos[None, :] >= self.recent_from)
+        means = _key_mean(keys, real & (pos[None, :] >= 0))
+        if self.key_offset is not None:  # rows complete before this forward keep their means
+            done = (lo + w <= start)[:, None, None]
+            means = torch.where(done, self.key_offset, means)
+        self.key_offset = means
+        if window is None:
+            if restore_new:
+                ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
+                          self._slots(start, key_states.shape[2]), key_offset=self.key_offset)
+            return
+        count = keys.shape[2] if restore_new else self.ring_size
+        kept = (pos[:count] >= max(self.recent_from, 0))[None, :].expand(self.rows, -1)
+        slots = torch.where(kept.flatten(), self._slots(first, count, clamp=True), -1)
+        values = _in_position_order(window[1], first)
+        ops.store(self.pool, self.layout, _tokens_first(keys[:, :, :count]), _tokens_first(values[:, :, :count]),
+                  slots, key_offset=self.key_offset)
+
+    def _close_centering(self) -> None:
+        """The means are final once every row has `recent_window` real tokens (a host bound: no read)."""
+        if self.length >= self._max_start + self.layout.config.recent_window:
+            self._centering_open = False
+
+    # ---- exact tokens of a multi-token forward ---------------------------------------------------------
+    @property
+    def ring_size(self) -> int:
+        return 0 if self.recent_keys is None else self.recent_keys.shape[2]
+
+    def forward_window(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                       start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact tokens a forward of several new tokens attends besides the pool: the ring's W positions
+        before `start` and the new tokens, as one ring of W + new slots (position p at slot p % (W + new), the
+        layout the kernels' recent_window overlay reads). So every new query attends the forward's own tokens
+        exactly, and the older history as a decode step at `start` would. Read before the store overwrites
+        the ring."""
+        w, new = self.ring_size, key_states.shape[2]
+        pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
+        out = []
+        for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
+            seq = x if ring is None else torch.cat([ring.index_select(2, pos[:w] % w), x.to(ring.dtype)], 2)
+            out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
+        return out[0], out[1]
 
     def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Copy the new tokens that are among each row's first P real tokens into the exact prefix.
@@ -542,15 +633,17 @@ class TurboQuantLayer(CacheLayerMixin):
         self._row_slots = _static(rows.long() * self.layout.block_size, static)  # slot of (block 0, offset 0) of each row
         self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
-    def _slots(self, start: int, count: int) -> torch.Tensor:
+    def _slots(self, start: int, count: int, clamp: bool = False) -> torch.Tensor:
         """Slots [rows * count] (row-major) of positions start .. start + count - 1 of every row.
 
-        Position p of row r: block (p // T) * rows + r, offset p % T.
+        Position p of row r: block (p // T) * rows + r, offset p % T. clamp: negative positions give position 0's
+        slot (for callers that mask them).
         """
         t = self.layout.block_size
-        if count == 1:  # decode: one add into a persistent buffer (the store reads it before the next step's add)
+        if count == 1 and not clamp:  # decode: one add into a persistent buffer (the store reads it before the next step's add)
             return torch.add(self._row_slots, (start // t) * self.rows * t + start % t, out=self._step_slots)
         pos = torch.arange(start, start + count, device=self.device)
+        pos = pos.clamp_min(0) if clamp else pos
         return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
 
     def _select_rows(self, indices: torch.Tensor) -> None:
@@ -624,6 +717,12 @@ def _key_mean(key_states: torch.Tensor, real: torch.Tensor | None = None) -> tor
         mean = torch.where(keep, x, 0.0).sum(2) / count
         scaled = torch.where(keep, tiny, 0.0).sum(2) / count
     return torch.where(mean.isfinite(), mean, scaled * 2.0**64)
+
+
+def _in_position_order(window: torch.Tensor, first: int) -> torch.Tensor:
+    """A forward window [B, H, N, D] (position p at slot p % N) in position order, from position `first`."""
+    size = window.shape[2]
+    return window.index_select(2, torch.arange(first, first + size, device=window.device) % size)
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ class TurboQuantConfig:
         from the end), e.g. (0, 1, -2, -1) for the first and last two, which the field found
         necessary at low bit widths without the levers below. Default (): on SmolLM2 they bought
         nothing once the levers were on, and cost 0.37x instead of 0.27x of fp16 bytes.
-    key_centering: subtract a per-(layer, row, KV head) channel mean, measured on the row's real
-        tokens of the layer's first update, from keys before quantizing. Softmax is invariant to
+    key_centering: subtract a per-(layer, row, KV head) channel mean, measured on the row's first
+        `recent_window` real tokens (those of its first update when recent_window is 0), from keys before
+        quantizing. Softmax is invariant to
         the constant q . mean term, so attention needs no correction (except with attention sinks
         or softcapping, where it is added back); it removes the large per-channel key biases
         that dominate the quantization error. Per row, so rows never depend on each other.

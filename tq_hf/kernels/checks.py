@@ -6,10 +6,12 @@ import math
 
 import torch
 
-from ..config import MAX_EXACT_PREFIX, MAX_RECENT_WINDOW
+from ..config import MAX_EXACT_PREFIX
 from ..layout import BlockLayout
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# ring slots the kernels take: recent_window, or a multi-token forward's ring (that window and its own tokens)
+MAX_RING_SLOTS = 1 << 24
 
 
 def check_key_offset(key_offset, layout: BlockLayout, device, rows: int | None = None) -> tuple[torch.Tensor | None, int]:
@@ -118,6 +120,6 @@ def check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, de
 
 def check_recent(recent_keys, recent_values, layout: BlockLayout, batch: int, device) -> int:
     """Validate the recent_window ring buffers; return W (0 when neither is given)."""
-    return _check_exact_buffers("recent", recent_keys, recent_values, MAX_RECENT_WINDOW, "recent_window", "W",
+    return _check_exact_buffers("recent", recent_keys, recent_values, MAX_RING_SLOTS, "recent_window", "W",
                                 "ring slots", layout, batch, device)
 

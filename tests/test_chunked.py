@@ -1,0 +1,133 @@
+"""Forwards of several tokens over a non-empty cache (chunked prefill, a chat's next turn): each attends its own
+tokens exactly and the older history as a decode step would, and the key-centering means do not depend on how a
+prompt was cut into forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from models import FakeQuantCache, assert_close, generate, left_padded_batch, tiny_model, with_cache
+from tq_hf import TurboQuantCache, TurboQuantConfig
+
+ATOL = 1e-4  # fp32 logits, same math in another order
+PROMPT = 200  # > the ring (recent_window 128), < the tiny models' 256 positions
+
+
+@torch.no_grad()
+def feed(model, cache, ids, chunk: int | None) -> torch.Tensor:
+    """The prompt through `cache` in forwards of `chunk` tokens (None: one forward); the logits of every position."""
+    step = ids.shape[1] if chunk is None else chunk
+    out = []
+    for i in range(0, ids.shape[1], step):
+        x = ids[:, i : i + step]
+        pos = torch.arange(i, i + x.shape[1], device=ids.device)[None]
+        out.append(model(input_ids=x, position_ids=pos, use_cache=True, **with_cache(cache)).logits)
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def forced_decode(model, cache, ids, start: int, steps: int) -> torch.Tensor:
+    """`steps` one-token forwards of ids[:, start:] after the cache holds `start` tokens; their logits."""
+    out = []
+    for i in range(start, start + steps):
+        pos = torch.tensor([[i]], device=ids.device)
+        out.append(model(input_ids=ids[:, i : i + 1], position_ids=pos, use_cache=True, **with_cache(cache)).logits)
+    return torch.cat(out, 1)
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("chunk", [1, 32, 96])
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(preset, chunk):
+    """Against the oracle fed the same forwards (exact semantics, to float32 rounding); and layer 0, whose K/V do
+    not depend on attention, ends with the same means and codes as after one prefill."""
+    model = tiny_model("llama")
+    cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None)
+    ids = prompt(PROMPT + 6)
+    whole = TurboQuantCache(model.config, tq_config=cfg)
+    feed(model, whole, ids[:, :PROMPT], None)
+    ours, oracle = TurboQuantCache(model.config, tq_config=cfg), FakeQuantCache(model.config, cfg)
+    logits = feed(model, ours, ids[:, :PROMPT], chunk)
+    assert_close(logits, feed(model, oracle, ids[:, :PROMPT], chunk), atol=ATOL, what=f"chunks of {chunk}")
+    a, b = ours.layers[0], whole.layers[0]
+    if cfg.key_centering:
+        assert_close(a.key_offset, b.key_offset, atol=1e-6, rtol=1e-6, what="layer 0 means")
+    # the codes of every position, up to float32 rounding: the projections of one token and of a chunk round
+    # differently (~1e-7), and a key coordinate on a rounding boundary may then take the neighbouring code
+    for x, y, what in zip(a.dequantized(), b.dequantized(), ("keys", "values")):
+        moved = ((x - y).abs() > 1e-4).any(-1).float().mean()
+        assert moved <= 0.01, f"layer 0 {what}: {moved:.2%} of (position, head) pairs differ after chunks of {chunk}"
+    assert_close(forced_decode(model, ours, ids, PROMPT, 6), forced_decode(model, oracle, ids, PROMPT, 6),
+                 atol=ATOL, what="decode after chunks")
+
+
+def test_a_forward_of_several_tokens_attends_its_own_tokens_exactly():
+    """A second forward longer than the ring: with every token in the pool compressed, its queries see its own
+    keys exactly. Against plain fp32 attention: a cache that quantized them (as before) is off by > 1e-2."""
+    model = tiny_model("llama")
+    cfg = TurboQuantConfig.from_preset("3bit", recent_window=8, exact_prefix_tokens=0, key_centering=False,
+                                       dense_layer_kl=None)
+    ids = prompt(120, seed=1)
+    ours, exact = TurboQuantCache(model.config, tq_config=cfg), DynamicCache()
+    feed(model, ours, ids[:, :1], None)
+    feed(model, exact, ids[:, :1], None)
+    got, want = feed(model, ours, ids[:, 1:], None), feed(model, exact, ids[:, 1:], None)
+    # position 0 is the only compressed key any query sees: the rest is the forward's own, exact
+    k0, v0 = ours.layers[0].dequantized(tokens=1)
+    assert not torch.equal(k0, exact.layers[0].keys[:, :, :1].float())
+    oracle = FakeQuantCache(model.config, cfg)
+    feed(model, oracle, ids[:, :1], None)
+    assert_close(got, feed(model, oracle, ids[:, 1:], None), atol=ATOL, what="second forward")
+
+
+def test_generate_with_prefill_chunks_equals_the_oracle():
+    model = tiny_model("qwen2")
+    ids, mask, _ = left_padded_batch([PROMPT - 40, PROMPT - 3], seed=2)  # row 0's padding spans the first chunk
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None)
+    ours = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6,
+                    prefill_chunk_size=32)
+    oracle = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask), max_new_tokens=6,
+                      prefill_chunk_size=32)
+    assert torch.equal(ours[0], oracle[0])
+    assert_close(ours[1], oracle[1], atol=ATOL, rtol=1e-4, what="chunked generate")
+
+
+def test_a_second_turn_is_close_to_one_prefill_of_the_conversation():
+    """Multi-turn reuse: turn 2's decode over the cache of turn 1 vs a fresh cache fed the whole conversation.
+    They differ only by what turn 1's own decode steps attended through the pool (a handful of tokens)."""
+    model = tiny_model("llama")
+    cfg = TurboQuantConfig.from_preset("k8v4", dense_layer_kl=None)
+    ids = prompt(PROMPT, seed=3)
+    cache = TurboQuantCache(model.config, tq_config=cfg)
+    first, _ = generate(model, ids[:, :150], None, cache, max_new_tokens=4)
+    conversation = torch.cat([first, ids[:, 150:]], 1)
+    second = generate(model, conversation, None, cache, max_new_tokens=6)
+    fresh = generate(model, conversation, None, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6)
+    reference = generate(model, conversation, None, DynamicCache(), max_new_tokens=6)
+    kl = lambda a, b: torch.nn.functional.kl_div(a.log_softmax(-1), b.log_softmax(-1), log_target=True,
+                                                 reduction="batchmean")
+    assert torch.equal(second[0], fresh[0])
+    assert kl(second[1][0], fresh[1][0]) < 1e-3  # turn 2's first forward: its own 50 tokens exact
+    assert kl(second[1], reference[1]) < 2 * kl(fresh[1], reference[1]) + 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, monkeypatch):
+    """The kernels over a forward's own ring (its tokens and the W before them) vs reference.py on CUDA."""
+    model = tiny_model(family, dtype=dtype, device="cuda")
+    ids = prompt(PROMPT + 6, seed=4).cuda()
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None)
+    runs = []
+    for force in ("0", "1"):
+        monkeypatch.setenv("TQ_HF_FORCE_REFERENCE", force)
+        cache = TurboQuantCache(model.config, tq_config=cfg)
+        runs.append(torch.cat([feed(model, cache, ids[:, :PROMPT], 48), forced_decode(model, cache, ids, PROMPT, 6)], 1))
+    atol = 3e-2 if dtype == torch.float16 else 1e-3
+    assert_close(runs[0], runs[1], atol=atol, rtol=1e-2, what=f"{family} {dtype} kernels vs reference")
