@@ -364,18 +364,21 @@ def _x(r: float | None) -> str:
 
 
 def generate_table(rows: list[dict], chunks: list[int]) -> str:
+    """KL (top-1) of generate() with one prefill and with each prefill_chunk_size; no ratio for the reference
+    (a ratio of rounding noise)."""
     at = {(r["preset"], r["prefill_chunk_size"]): r for r in rows}
     presets = list(dict.fromkeys(r["preset"] for r in rows))
-    body = [[p, cell(at[p, None]), *[f"{cell(at[p, c])}, {_x(ratio(at[p, c]['kl'], at[p, None]['kl']))}"
-                                      for c in chunks]] for p in presets]
+    body = [[p, cell(at[p, None]), *[f"{cell(at[p, c])}, {_x(ratio(at[p, c]['kl'], at[p, None]['kl']) if i else None)}"
+                                      for c in chunks]] for i, p in enumerate(presets)]
     return common.markdown_table(["preset", "generate(), one prefill",
                                   *[f"prefill_chunk_size={c} (ratio)" for c in chunks]], body)
 
 
 def turns_table(rows: list[dict]) -> str:
+    """Turn 2's decode KL (top-1) with a fresh and a reused cache, and its prompt positions' (rows[0]: the reference)."""
     body = [[r["preset"], cell(r["fresh"]["decode"]), cell(r["reused"]["decode"]),
-             _x(ratio(r["reused"]["decode"]["kl"], r["fresh"]["decode"]["kl"])), cell(r["fresh"]["turn2_prompt"]),
-             cell(r["reused"]["turn2_prompt"])] for r in rows]
+             _x(ratio(r["reused"]["decode"]["kl"], r["fresh"]["decode"]["kl"]) if i else None),
+             cell(r["fresh"]["turn2_prompt"]), cell(r["reused"]["turn2_prompt"])] for i, r in enumerate(rows)]
     return common.markdown_table(["preset", "fresh cache, whole conversation", "cache reused across turns",
                                   "reused / fresh", "turn-2 prompt, fresh", "turn-2 new tokens, reused"], body)
 
@@ -466,12 +469,13 @@ def main(argv: list[str] | None = None) -> dict:
                                   "answer1": tokenizer.decode(conv.answer1), "answer2": tokenizer.decode(conv.answer2)}
         report["multi_turn"] = evaluate_turns(model, conv, specs)
     report["seconds"] = round(time.perf_counter() - t_start, 1)
-    write_outputs(out, report, args)
+    write_outputs(out, report)
     print((out / "table.md").read_text())
     return report
 
 
-def write_outputs(out: Path, report: dict, args) -> None:
+def write_outputs(out: Path, report: dict) -> None:
+    """results.json and table.md; the table from the report alone, so a saved results.json can be re-rendered."""
     out.mkdir(parents=True, exist_ok=True)
     common.write_json(out / "results.json", report)
     n, k = report["prompt_tokens"], report["decode_steps"]
@@ -479,13 +483,16 @@ def write_outputs(out: Path, report: dict, args) -> None:
         "Chunked prefill and multi-turn cache reuse", report["meta"]["command"], f"model: {report['model']}",
         f"text: {report['text']}", f"method: {report['method']}",
         f"target: every chunked feed's decode KL <= {RATIO_TARGET}x the one-prefill KL, per preset",
-        f"run time: {report['seconds']} s on {report['meta']['machine']['cpus']} CPUs" if args.device == "cpu"
-        else f"run time: {report['seconds']} s")
-    body = f"## A {n}-token prompt fed in pieces, then {k} decode steps\n\n" + chunked_tables(report["chunked"], args.feeds)
+        f"run time: {report['seconds']} s on " + (report["meta"]["machine"]["cuda_device"] or
+                                                  f"{report['meta']['machine']['cpus']} CPUs"))
+    body = (f"## A {n}-token prompt fed in pieces, then {k} decode steps\n\n"
+            + chunked_tables(report["chunked"], list(report["feeds"])))
     if "generate" in report:
-        body += (f"\n## generate(prefill_chunk_size=...): {args.generate_tokens} greedy tokens, each run scored on "
-                 "its own tokens against one fp16 forward over them\n\n" + generate_table(report["generate"],
-                                                                                          args.generate_chunks))
+        rows = report["generate"]
+        chunks = list(dict.fromkeys(r["prefill_chunk_size"] for r in rows if r["prefill_chunk_size"] is not None))
+        body += (f"\n## generate(prefill_chunk_size=...): {rows[0]['count']} greedy tokens, each run scored on "
+                 "its own tokens against one fp16 forward over them (so the ratio also moves with the tokens each "
+                 "run chose)\n\n" + generate_table(rows, chunks))
     if "multi_turn" in report:
         c = report["conversation"]
         body += (f"\n## Multi-turn: turn 1 {c['turn1_tokens']} tokens + a {c['answer1_tokens']}-token answer, turn 2 "
