@@ -11,6 +11,8 @@ forced on the text's next tokens. Per (cache, feed): the mean KL(fp16 || cache) 
 steps' next-token distributions and top-1 agreement with fp16's argmax; also the same over the
 prompt positions predicted by forwards after the first one (they read the cache too). The fp16
 row compares each feed with fp16's own one-prefill run: ~0, the reference is exact under chunking.
+--prompts P repeats this on P consecutive slices of the text and pools the scores: one prompt's
+decode steps are few, and at small KLs their spread can hide or fake a ratio of 1.2x.
 Feeds: "one" (the whole prompt in one forward), "C" (chunks of C tokens; "1" is token by token,
 about 1000 decode-sized forwards per cache: only with --all or when named), "A+rest" (a first
 forward of A tokens, then the rest in one forward).
@@ -167,6 +169,22 @@ def evaluate_feeds(model, ids: torch.Tensor, prompt_tokens: int, specs: list[com
     return rows
 
 
+def merge_rows(per_prompt: list[list[dict]]) -> list[dict]:
+    """evaluate_feeds' rows of several prompts as one set: scores weighted by their counts, seconds summed."""
+    merged = []
+    for rows in zip(*per_prompt):
+        row = dict(rows[0], seconds=round(sum(r["seconds"] for r in rows), 2),
+                   dense_by_check=sorted(set().union(*(r["dense_by_check"] for r in rows))))
+        for part in ("decode", "prompt"):
+            count = sum(r[part]["count"] for r in rows)
+            if rows[0][part]["kl"] is None:
+                continue
+            row[part] = {key: sum(r[part][key] * r[part]["count"] for r in rows) / count for key in ("kl", "top1")}
+            row[part]["count"] = count
+        merged.append(row)
+    return merged
+
+
 # ---- generate(prefill_chunk_size=...) ----------------------------------------------------------
 def generate_supports_chunked_prefill() -> str | None:
     """None when generate() takes prefill_chunk_size, else why not."""
@@ -308,7 +326,8 @@ def evaluate_turns(model, conv: Conversation, specs: list[common.CacheSpec]) -> 
     for spec in tqdm(specs, desc="multi-turn", unit="cache"):
         row = {"preset": spec.name}
         for mode in ("fresh", "reused"):
-            run = ref if spec is specs[0] and mode == "fresh" else conversation_logits(model, spec, conv, mode == "reused")
+            reuse = mode == "reused"
+            run = ref if spec is specs[0] and not reuse else conversation_logits(model, spec, conv, reuse)
             new = run.prompt.shape[0]  # turn 2's positions this run's last prompt forward computed
             row[mode] = {"decode": compare(ref.decode, run.decode),
                          "turn2_prompt": compare(ref.prompt[-new:], run.prompt),
@@ -375,7 +394,7 @@ def generate_table(rows: list[dict], chunks: list[int]) -> str:
 
 
 def turns_table(rows: list[dict]) -> str:
-    """Turn 2's decode KL (top-1) with a fresh and a reused cache, and its prompt positions' (rows[0]: the reference)."""
+    """Turn 2's decode KL (top-1) with a fresh and a reused cache, and its prompt positions'; rows[0]: the reference."""
     body = [[r["preset"], cell(r["fresh"]["decode"]), cell(r["reused"]["decode"]),
              _x(ratio(r["reused"]["decode"]["kl"], r["fresh"]["decode"]["kl"]) if i else None),
              cell(r["fresh"]["turn2_prompt"]), cell(r["reused"]["turn2_prompt"])] for i, r in enumerate(rows)]
@@ -397,6 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--feeds", default=DEFAULT_FEEDS,
                    help="comma-separated ways to feed the prompt: one, C (chunks of C tokens), A+rest")
     p.add_argument("--all", action="store_true", help=f"also feed the prompt token by token (feed '{TOKEN_BY_TOKEN}')")
+    p.add_argument("--prompts", type=int, default=1,
+                   help="consecutive text slices to pool the chunked-prompt scores over (generate() uses the first)")
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--decode-steps", type=int, default=64, help="teacher-forced one-token forwards after a prompt")
     p.add_argument("--generate-tokens", type=int, default=32, help="greedy tokens of the generate() check (0: skip)")
@@ -419,7 +440,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.all and TOKEN_BY_TOKEN not in args.feeds:
         args.feeds.append(TOKEN_BY_TOKEN)
     args.feeds = list(dict.fromkeys(args.feeds))
-    for name in ("prompt_tokens", "decode_steps", "answer_tokens", "turn2_tokens"):
+    for name in ("prompts", "prompt_tokens", "decode_steps", "answer_tokens", "turn2_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.generate_tokens < 0 or args.turn1_tokens < 0 or any(c < 1 for c in args.generate_chunks):
@@ -436,17 +457,23 @@ def main(argv: list[str] | None = None) -> dict:
     model, tokenizer, model_desc = common.load_model(args.model, dtype=dtype, device=args.device)
     text, text_desc = common.load_text(args.dataset, args.text_file)
     n, k = args.prompt_tokens, args.decode_steps
-    text_ids = tokenizer(text[: 8 * (n + k + args.turn1_tokens + args.turn2_tokens) + 1000],
+    text_ids = tokenizer(text[: 8 * (args.prompts * (n + k) + args.turn1_tokens + args.turn2_tokens) + 1000],
                          add_special_tokens=False).input_ids
-    if len(text_ids) < n + k:
-        raise ValueError(f"the text has {len(text_ids)} tokens: fewer than --prompt-tokens + --decode-steps = {n + k}")
-    ids = torch.tensor([text_ids[: n + k]], device=args.device)
+    used = args.prompts * (n + k)  # consecutive, disjoint slices of the text: prompt + decode tokens each
+    if len(text_ids) < used + args.turn1_tokens + args.turn2_tokens:
+        raise ValueError(f"the text has {len(text_ids)} tokens: fewer than --prompts x (--prompt-tokens + "
+                         f"--decode-steps) + --turn1-tokens + --turn2-tokens = "
+                         f"{used + args.turn1_tokens + args.turn2_tokens}")
+    windows = [torch.tensor([text_ids[i : i + n + k]], device=args.device) for i in range(0, used, n + k)]
     out = Path(args.out)
     report = {
         "meta": meta, "model": model_desc, "model_dtype": str(model.dtype), "text": text_desc,
-        "prompt_tokens": n, "decode_steps": k, "feeds": {f: feed_bounds(n, f) for f in args.feeds},
-        "prefill_attention": args.prefill_attention, "ratio_target": RATIO_TARGET, "skipped": dict(skipped),
-        "method": (f"the text's first {n} tokens fed to a fresh cache one of several ways, then {k} one-token "
+        "prompts": args.prompts, "prompt_tokens": n, "decode_steps": k,
+        "feeds": {f: feed_bounds(n, f) for f in args.feeds}, "prefill_attention": args.prefill_attention,
+        "ratio_target": RATIO_TARGET, "skipped": dict(skipped),
+        "method": ((f"the text's first {n} tokens" if args.prompts == 1 else
+                    f"each of the text's first {args.prompts} slices of {n + k} tokens: its first {n} tokens")
+                   + f" fed to a fresh cache one of several ways, then {k} one-token "
                    f"forwards teacher-forced on its next tokens; KL(fp16 || cache) and top-1 agreement of the "
                    f"decode steps against fp16 (uncompressed DynamicCache in {model.dtype}) fed the same way"),
     }
@@ -454,15 +481,20 @@ def main(argv: list[str] | None = None) -> dict:
     def save_partial(rows: list[dict]) -> None:
         common.write_json(out / "results.json", dict(report, partial=f"{len(rows)} rows", chunked=rows))
 
-    report["chunked"] = evaluate_feeds(model, ids, n, specs, args.feeds, on_row=save_partial)
+    per_prompt = []
+    for ids in windows:
+        per_prompt.append(evaluate_feeds(model, ids, n, specs, args.feeds,
+                                         on_row=lambda rows: save_partial(merge_rows([*per_prompt, rows]))))
+    report["chunked"] = merge_rows(per_prompt)
     unsupported = generate_supports_chunked_prefill()
     if args.generate_tokens and unsupported:
         report["skipped"]["generate check"] = unsupported
     elif args.generate_tokens:
-        report["generate"] = evaluate_generate(model, ids[:, :n], specs, args.generate_tokens, args.generate_chunks)
+        report["generate"] = evaluate_generate(model, windows[0][:, :n], specs, args.generate_tokens,
+                                               args.generate_chunks)
         save_partial(report["chunked"])
     if args.turn1_tokens:
-        conv = build_conversation(model, tokenizer, specs[0], text_ids[n + k :], args.turn1_tokens,
+        conv = build_conversation(model, tokenizer, specs[0], text_ids[used:], args.turn1_tokens,
                                   args.turn2_tokens, args.answer_tokens, k)
         report["conversation"] = {"turn1_tokens": len(conv.turn1), "answer1_tokens": len(conv.answer1),
                                   "turn2_tokens": len(conv.turn2), "decode_steps": len(conv.answer2),
@@ -485,7 +517,9 @@ def write_outputs(out: Path, report: dict) -> None:
         f"target: every chunked feed's decode KL <= {RATIO_TARGET}x the one-prefill KL, per preset",
         f"run time: {report['seconds']} s on " + (report["meta"]["machine"]["cuda_device"] or
                                                   f"{report['meta']['machine']['cpus']} CPUs"))
-    body = (f"## A {n}-token prompt fed in pieces, then {k} decode steps\n\n"
+    prompts = report.get("prompts", 1)
+    what = f"A {n}-token prompt" if prompts == 1 else f"{prompts} prompts of {n} tokens (scores pooled)"
+    body = (f"## {what} fed in pieces, then {k} decode steps\n\n"
             + chunked_tables(report["chunked"], list(report["feeds"])))
     if "generate" in report:
         rows = report["generate"]

@@ -112,6 +112,25 @@ def test_evaluate_feeds_rows_and_tables(sharp_model, ids):
     assert prompt[0] == "| preset | chunks of 7 (43 pos.) | 3+rest (47 pos.) |"
 
 
+def test_merged_prompts_score_like_their_logits_pooled(sharp_model, ids):
+    """Two prompts' rows merged equal compare() over both prompts' logits concatenated."""
+    other = torch.randint(0, 257, ids.shape, generator=torch.Generator().manual_seed(8))
+    specs, feeds = _specs(LOSSY), ["one", "7"]
+    rows = [chunked.evaluate_feeds(sharp_model, x, PROMPT, specs, feeds) for x in (ids, other)]
+    merged = chunked.merge_rows(rows)
+    assert [(r["preset"], r["feed"]) for r in merged] == [(r["preset"], r["feed"]) for r in rows[0]]
+    bounds = chunked.feed_bounds(PROMPT, "7")
+    refs = [chunked.fed_logits(sharp_model, specs[0], x, bounds) for x in (ids, other)]
+    runs = [chunked.fed_logits(sharp_model, specs[1], x, bounds) for x in (ids, other)]
+    for part, start in (("decode", 0), ("prompt", 7)):
+        expect = chunked.compare(torch.cat([getattr(r, part)[start:] for r in refs]),
+                                 torch.cat([getattr(r, part)[start:] for r in runs]))
+        got = merged[3][part]
+        assert got["count"] == expect["count"]
+        assert got["kl"] == pytest.approx(expect["kl"], rel=1e-4) and got["top1"] == pytest.approx(expect["top1"])
+    assert merged[1]["prompt"]["kl"] is None and merged[1]["decode"]["count"] == 2 * STEPS
+
+
 def test_turns_reused_cache_reads_the_pool_and_a_fresh_one_does_not(sharp_model):
     g = torch.Generator().manual_seed(11)
     t = torch.randint(0, 257, (80,), generator=g).tolist()
@@ -129,7 +148,8 @@ def test_turns_reused_cache_reads_the_pool_and_a_fresh_one_does_not(sharp_model)
 def test_cli_end_to_end(tmp_path, tiny_text):
     out = tmp_path / "chunked"
     report = chunked.main(["--model", "random:tiny", "--text-file", str(tiny_text), "--presets", LOSSY,
-                           "--feeds", "one,16,3+rest", "--all", "--prompt-tokens", "100", "--decode-steps", "8",
+                           "--feeds", "one,16,3+rest", "--all", "--prompts", "2", "--prompt-tokens", "100",
+                           "--decode-steps", "8",
                            "--generate-tokens", "6", "--generate-chunks", "16,40", "--turn1-tokens", "60",
                            "--turn2-tokens", "30", "--answer-tokens", "5", "--out", str(out)])
     assert {p.name for p in out.iterdir()} == {"results.json", "table.md"}
@@ -137,6 +157,7 @@ def test_cli_end_to_end(tmp_path, tiny_text):
     assert "partial" not in saved and saved["meta"]["command"].startswith("python -m eval.chunked")
     assert (out / "table.md").read_text().splitlines()[2] == f"Command: `{saved['meta']['command']}`"
     assert list(saved["feeds"]) == ["one", "16", "3+rest", "1"] and saved["feeds"]["1"][-1] == [99, 100]
+    assert all(r["decode"]["count"] == 2 * 8 for r in saved["chunked"])
     assert len(saved["chunked"]) == 2 * 4 and len(saved["generate"]) == 2 * 3 and len(saved["multi_turn"]) == 2
     for r in saved["generate"]:
         assert r["count"] == 6 and len(r["generated"]) == 6
@@ -147,11 +168,12 @@ def test_cli_end_to_end(tmp_path, tiny_text):
     table = (out / "table.md").read_text()
     for heading in ("Decode steps", "chunked / one prefill", "generate(prefill_chunk_size", "Multi-turn"):
         assert heading in table
+    assert "2 prompts of 100 tokens" in table
     assert "| preset | one prefill | chunks of 16 | 3+rest | chunks of 1 |" in table
 
 
 @pytest.mark.parametrize("argv", [["--feeds", "one,two"], ["--prompt-tokens", "0"], ["--generate-chunks", "x"],
-                                  ["--generate-chunks", "0"]])
+                                  ["--generate-chunks", "0"], ["--prompts", "0"]])
 def test_cli_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit):
         chunked.parse_args(argv)
