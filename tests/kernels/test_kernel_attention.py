@@ -245,6 +245,19 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program):
            **_fidelity_options(layout, 4))
 
 
+# a chunk of queries over a longer history (a chat's next turn): several row tiles, each split over the pool's walk,
+# with a ring as the cache hands a multi-token forward (the W positions before it and its own tokens)
+@pytest.mark.parametrize("preset,num_splits", [("4bit", 3), ("k3v4", 2), ("k8v4", 5)])
+@pytest.mark.parametrize("exact_program", [True, False])
+def test_split_chunk_over_several_row_tiles(preset, num_splits, exact_program):
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    q_len = 23  # 4 x 23 rows: several row tiles at every tile size
+    _check(layout, [70, 141], q_len, 4, prefix_len=4, recent=(16 + q_len, 0), num_splits=num_splits,
+           kv_start=torch.tensor([0, 5], device=DEVICE), launch=LaunchConfig(exact_program=exact_program),
+           **_fidelity_options(layout, 4))
+    _check(layout, [70, 141], q_len, 4, sliding_window=50, num_splits=num_splits, sinks=torch.randn(8, device=DEVICE))
+
+
 # prefill: several row tiles (G * Lq > 64), a first prefill (Lq == S) and a chunk of a longer cache
 @pytest.mark.parametrize("preset,group,q_len,options", [
     ("4bit", 4, 23, True), ("k8v4", 1, 40, False), ("3bit", 4, 17, True),

@@ -22,7 +22,7 @@ class AttentionPlan:
     num_stages: int
     split: bool
     ns_all: int  # split programs per row tile (the pool's splits, plus the exact program if any)
-    partial_rows: int  # split partial rows, B x Hk x ns_all x rows per KV head
+    partial_rows: int  # split partial rows, B x Hk x row tiles x ns_all x rows per KV head
     dp: int
     workspace_numel: int
     rot: torch.Tensor

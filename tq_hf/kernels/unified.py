@@ -91,8 +91,8 @@ def _attn_kernel(
     cent_ptr,  # [2**KEY_BITS] fp32 centroids by stored code (codebook keys; reference.stored_codes)
     koff_ptr, s_koff,  # fp32 key_centering mean [Hk, D] (s_koff 0) or [B, Hk, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
-    pout_ptr,  # [B, Hk, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
-    plse_ptr,  # [B, Hk, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
+    pout_ptr,  # [B, Hk, row tiles, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
+    plse_ptr,  # [B, Hk, row tiles, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
     pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
     pv_ptr, s_pvb, s_pvh, s_pvp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix values, if HAS_PREFIX
     prefix_len,  # P: positions kv_start + s, s < P, are read from the prefix buffers
@@ -372,8 +372,9 @@ def _attn_kernel(
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     bias_out = bias_acc * inv_l
     if SPLIT:
-        if HEADS_PER_PROGRAM == 1:
-            prow = ((b * tl.num_programs(1) + h) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if HEADS_PER_PROGRAM == 1:  # [B, Hk, row tiles, NS, BLOCK_M]
+            m_tiles = tl.num_programs(0) // ns_all
+            prow = (((b * tl.num_programs(1) + h) * m_tiles + m_tile) * ns_all + split) * BLOCK_M + tl.arange(0, BLOCK_M)
         else:  # per KV head: ROWS_PER_HEAD rows
             prow = ((b * (tl.num_programs(1) * HEADS_PER_PROGRAM) + hh) * ns_all + split) * ROWS_PER_HEAD + rr
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))

@@ -155,13 +155,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         waves = 4 if cfg.key_bits == 8 else 3
         if words and num_warps == 2:
             waves *= 2
+        # (several row tiles too: a chunk of queries over a long history, which few programs would walk alone)
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
-        num_splits = 1 if m_tiles > 1 else 1 << (want.bit_length() - 1)
+        num_splits = 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     split = num_splits > 1
-    if split and m_tiles != 1:
-        raise ValueError("split-KV needs all query rows of a KV head in one tile (G * Lq <= 64)")
+    if split and m_tiles != 1 and hp != 1:
+        raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
     # split decode with exact prefix/ring buffers while the GPU has programs to spare: one extra program attends
     # the dense tiles alongside the pool's walks (appended to the first/last split they made it the slowest)
     exact_prog = bool(_pick(launch.exact_program, not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
@@ -178,7 +179,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
 
     workspace_numel = 0
-    partial_rows = b * hk * ns_all * (block_m // hp)
+    partial_rows = b * hk * m_tiles * ns_all * (block_m // hp)
     if split:
         workspace_numel = partial_rows * (dp + 1)
         check_workspace(workspace, workspace_numel, pool.device)
@@ -207,5 +208,5 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         workspace_numel=workspace_numel, rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len,
         recent_size=recent_size, scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
                                           layout.block_bytes, layout.plane_bytes),
-        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp) if split else None,
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles) if split else None,
     )
