@@ -85,6 +85,7 @@ def turboquant_attention_forward(
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
         **_exact_overlays(layer), **_decode_workspace(layer, query),
+        held=layer.launches if query.shape[2] == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return out.transpose(1, 2), None
 

@@ -100,10 +100,12 @@ class TurboQuantLayer(CacheLayerMixin):
         self.decode_workspace: torch.Tensor | None = None  # fixed capacity: split scratch of decode steps
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
+        self.launches = ops.HeldLaunches()  # a decode step's kernel plans, kept while the buffers stay the same
         self._drop_buffers()
         self._clear()
 
     def _drop_buffers(self) -> None:
+        self.launches.drop()
         self.pool: torch.Tensor | None = None
         self.rows = 0
         self.capacity = 0  # blocks per row
@@ -212,7 +214,8 @@ class TurboQuantLayer(CacheLayerMixin):
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
+                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens,
+                  held=self.launches if new == 1 else None)  # (a prefill's slots are its own: not held)
         self.length = start + new
 
         exact = was_empty and self.layout.config.prefill_attention == "exact"
@@ -534,6 +537,7 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _rebuild_tables(self) -> None:
         """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
+        self.launches.drop()  # (their tensors are replaced: no old pool stays referenced)
         rows = torch.arange(self.rows, device=self.device, dtype=torch.int32)
         blocks = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
         static = self.max_cache_len is not None
@@ -557,6 +561,7 @@ class TurboQuantLayer(CacheLayerMixin):
         """Rows become self[indices] (beam reorder, batch select, repeat): one gather of the used blocks."""
         if self.pool is None:
             return
+        self.launches.drop()
         indices = indices.to(self.device)
         new_rows = indices.shape[0]
         used = -(-self.length // self.layout.block_size)

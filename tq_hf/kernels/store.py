@@ -297,7 +297,8 @@ def _store_kernel(
 def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
              key_offset: torch.Tensor | None = None, launch: StoreLaunchConfig | None = None,
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-             seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None) -> None:
+             seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None,
+             held: "HeldStore | None" = None) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
 
     Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
@@ -306,8 +307,17 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
     launch: overrides of the launch heuristics, for benchmarks (launch_config.StoreLaunchConfig).
     device_traits: the device as the launch heuristics see it (default: the pool's device, device.device_traits).
+    held: the caller's HeldStore: reused when this call matches the one it holds, else refilled with this call.
     """
     ring_k, ring_v = recent if recent is not None else (None, None)
+    signature = None
+    if held is not None:
+        traits = device_traits if device_traits is not None else _traits_of(pool.device)
+        signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens), launch,
+                     traits)
+        if held.serves(signature, key, value):
+            held.launch(key, value, start)
+            return
     if launch is not None and type(launch) is not StoreLaunchConfig:
         raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
                         f"{type(launch).__name__}")
@@ -318,23 +328,62 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     if plan is None or plan.layout is not layout:
         plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, launch, ring_k, ring_v,
                                                seq_lens, traits))
-    if type(start) is not int or start < 0:
-        raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
+    _check_start(start)
     if plan.site is None:  # no tokens
         return
-    if key_offset is not None:
-        key_offset = key_offset.float().contiguous()
+    koff = key_offset.float().contiguous() if key_offset is not None else plan.cent
+    lasting = (slots, pool, plan.rot, plan.cent, plan.bnd, koff, *plan.scalars)
     with device_of(pool):
-        plan.site(
-            key, key.stride(0), key.stride(1),
-            value, value.stride(0), value.stride(1),
-            slots,
-            pool,
-            plan.rot, plan.cent, plan.bnd,
-            key_offset if key_offset is not None else plan.cent, *plan.scalars,
-            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *plan.ring_scalars,
-            start, seq_lens if seq_lens is not None else slots, start + plan.tokens_per_row,
-        )
+        plan.site(*_store_arguments(key, value, lasting, ring_k, ring_v, plan.ring_scalars, start,
+                                    seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
+    if signature is not None:
+        held.hold(signature, plan, key, value, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
+
+
+def _check_start(start) -> None:
+    if type(start) is not int or start < 0:
+        raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
+
+
+def _store_arguments(key, value, lasting: tuple, ring_k, ring_v, ring_scalars: tuple, start: int, seq_lens,
+                     tokens_per_row: int) -> tuple:
+    """The store kernel's runtime arguments: the tokens (absent ring buffers: the tokens as placeholders), the
+    arguments that last across calls, the positions."""
+    return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), *lasting,
+            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *ring_scalars,
+            start, seq_lens, start + tokens_per_row)
+
+
+class HeldStore:
+    """One caller's repeated store_kv call (a cache layer's decode steps): its plan and the arguments that stay, kept
+    while each call names the same tensors (by identity; held here, so no other tensor takes their ids) and settings,
+    with key and value of the kinds the plan was made for. As attention.HeldAttention: the tensors keep their shapes,
+    strides and storage; a call with anything else plans (and validates) anew and is held instead."""
+
+    __slots__ = ("_signature", "_key_kind", "_value_kind", "_plan", "_lasting", "_tensors")
+
+    def __init__(self):
+        self._signature = None
+
+    def serves(self, signature: tuple, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether a call with this signature, key and value can reuse what is held."""
+        return (signature == self._signature and argument_key(key) == self._key_kind
+                and argument_key(value) == self._value_kind)
+
+    def hold(self, signature: tuple, plan: "_StorePlan", key: torch.Tensor, value: torch.Tensor, lasting: tuple,
+             tensors: tuple) -> None:
+        """Keep a launched call (a plan with tokens to store): what its next call reuses."""
+        self._signature, self._plan, self._lasting, self._tensors = signature, plan, lasting, tensors
+        self._key_kind, self._value_kind = argument_key(key), argument_key(value)
+
+    def launch(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
+        """The held call with new tokens at `start`."""
+        _check_start(start)
+        plan = self._plan
+        pool, _, slots, _, ring_k, ring_v, seq_lens = self._tensors
+        with device_of(pool):
+            plan.site(*_store_arguments(key, value, self._lasting, ring_k, ring_v, plan.ring_scalars, start,
+                                        seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
 
 
 @dataclasses.dataclass(slots=True)
