@@ -81,8 +81,7 @@ def unified_attention(
         traits = device_traits if device_traits is not None else _traits_of(pool.device)
         signature = (id(pool), id(layout), id(block_table), id(seq_lens), id(kv_start), id(sinks), id(key_offset),
                      id(prefix_keys), id(prefix_values), id(recent_keys), id(recent_values), id(workspace),
-                     _split_bound(max_seq_len), scale, sliding_window, softcap, num_splits, launch, traits,
-                     _workspace.generation())
+                     _split_bound(max_seq_len), scale, sliding_window, softcap, num_splits, launch, traits)
         if held.serves(signature, query, out):
             return held.launch(query, out, recent_from)
     plan = plan_attention(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap,
@@ -120,7 +119,7 @@ class HeldAttention:
     (~30 us of host time per decode step and layer).
     """
 
-    __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials")
+    __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials", "_workspaces")
 
     def __init__(self):
         self._signature = None
@@ -128,13 +127,14 @@ class HeldAttention:
     def serves(self, signature: tuple, query: torch.Tensor, out: torch.Tensor) -> bool:
         """Whether a call with this signature, query and out can reuse what is held."""
         return (signature == self._signature and argument_key(query) == self._query_kind
-                and argument_key(out) == self._out_kind)
+                and argument_key(out) == self._out_kind and _workspace.generation() == self._workspaces)
 
     def hold(self, signature: tuple, plan: AttentionPlan, query: torch.Tensor, out: torch.Tensor, middle: tuple,
              partials: tuple, tensors: tuple) -> None:
         """Keep a launched call: its plan, lasting kernel arguments and split partials, and the tensors it named."""
         self._signature, self._plan, self._middle, self._partials = signature, plan, middle, partials
         self._query_kind, self._out_kind, self._tensors = argument_key(query), argument_key(out), tensors
+        self._workspaces = _workspace.generation()  # the split partials are views of the workspace of now
 
     def launch(self, query: torch.Tensor, out: torch.Tensor, recent_from: int) -> torch.Tensor:
         """The held call with a new query, out and recent_from."""
