@@ -194,7 +194,8 @@ class TurboQuantLayer(CacheLayerMixin):
             )
         start = self.length
         self._reserve(start + new)
-        slots = self._slots(start, new)
+        # a decode step's slots: each row's first slot, shifted by the store (a host int; no tensor op per step)
+        slots, shift = (self._row_slots, self._slot_shift(start)) if new == 1 else (self._slots(start, new), 0)
         if was_empty and self.layout.config.exact_prefix_tokens:
             shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
             self.prefix_keys = self._zeros(self.prefix_keys, shape, key_states.dtype)
@@ -214,7 +215,7 @@ class TurboQuantLayer(CacheLayerMixin):
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens,
+                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift,
                   held=self.launches if new == 1 else None)  # (a prefill's slots are its own: not held)
         self.length = start + new
 
@@ -546,14 +547,19 @@ class TurboQuantLayer(CacheLayerMixin):
         self._row_slots = _static(rows.long() * self.layout.block_size, static)  # slot of (block 0, offset 0) of each row
         self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
+    def _slot_shift(self, position: int) -> int:
+        """What position `position` adds to each row's first slot (_row_slots): its slot is the sum."""
+        t = self.layout.block_size
+        return (position // t) * self.rows * t + position % t
+
     def _slots(self, start: int, count: int) -> torch.Tensor:
         """Slots [rows * count] (row-major) of positions start .. start + count - 1 of every row.
 
         Position p of row r: block (p // T) * rows + r, offset p % T.
         """
         t = self.layout.block_size
-        if count == 1:  # decode: one add into a persistent buffer (the store reads it before the next step's add)
-            return torch.add(self._row_slots, (start // t) * self.rows * t + start % t, out=self._step_slots)
+        if count == 1:  # one add into a persistent buffer (the store reads it before the next such add)
+            return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
         pos = torch.arange(start, start + count, device=self.device)
         return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
 

@@ -74,6 +74,8 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
     held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
     if torch.compiler.is_compiling():
         recent = kwargs.get("recent") or (None, None)
+        if kwargs.get("slot_shift"):  # (compiled steps compute their slots whole; the op takes no shift)
+            slots = torch.where(slots >= 0, slots + kwargs["slot_shift"], slots)
         torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
                               kwargs.get("start", 0), kwargs.get("seq_lens"))
     elif use_kernels(pool):

@@ -280,10 +280,12 @@ def store(
     recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     start: int = 0,
     seq_lens: torch.Tensor | None = None,
+    slot_shift: int = 0,
 ) -> None:
-    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
+    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] (+ slot_shift) of the pool.
 
-    A slot is block * block_size + offset; negative slots are skipped (padding).
+    A slot is block * block_size + offset; negative slots are skipped (padding). `slot_shift` (a host int >= 0) is
+    added to every other slot: a decode step passes each row's first slot and the shift of its position.
     `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
     [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
     cache lays out an update).
@@ -300,7 +302,7 @@ def store(
     if key_offset is not None and key_offset.dim() == 3:
         key_offset = key_offset[slots >= 0]
     keep = slots >= 0
-    key, value, slots = key[keep], value[keep], slots[keep]
+    key, value, slots = key[keep], value[keep], slots[keep] + slot_shift
     block, offset = slots // layout.block_size, slots % layout.block_size
     k_codes, k_scale = quantize_keys(key, cfg, key_offset)
     v_rot = value_rotation_matrix(cfg, layout.head_dim, str(value.device))

@@ -14,10 +14,10 @@ from transformers import LlamaConfig
 from tq_hf import TurboQuantCache, ops, reference
 from tq_hf.attention import turboquant_attention_forward
 from tq_hf.config import TurboQuantConfig
-from tq_hf.kernels import HeldAttention, HeldStore, unified_attention
+from tq_hf.kernels import HeldAttention, HeldStore, store_kv, unified_attention
 from tq_hf.kernels import attention as attention_kernel
 
-from kernel_helpers import attention_tolerance, default_scale, fill_cache, make_layout, rel_error
+from kernel_helpers import attention_tolerance, compare_pools, default_scale, fill_cache, make_layout, rel_error
 
 HEADS, KV_HEADS, DIM = 4, 2, 64  # block_size 16 at head_dim 64
 
@@ -66,6 +66,37 @@ def test_held_attention_replans_for_replaced_tensors_and_settings(holds):
     assert holds["attention"] == 4
     check(pool2, table2, seq, 20, scale=0.5)
     assert holds["attention"] == 4
+
+
+def test_held_store_replans_for_replaced_tensors(holds):
+    """store_kv with a HeldStore: the same pool, slots, ring and lengths -> reused, with each call's tokens, start
+    and slot_shift; another pool or other slots -> planned anew. Pools, ring and lengths match reference.store's."""
+    layout = make_layout("4bit", KV_HEADS, DIM)
+    held = HeldStore()
+    first = torch.tensor([0, 16])  # 2 rows, one block of 16 tokens apart
+
+    def check(pool, slots, ring, lens, start, shift):
+        key, value = torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
+        want, want_ring, want_lens = pool.clone(), (ring[0].clone(), ring[1].clone()), lens.clone()
+        store_kv(pool, layout, key, value, slots, recent=ring, start=start, seq_lens=lens, slot_shift=shift,
+                 held=held)
+        summed = slots + shift
+        reference.store(want, layout, key, value, summed, recent=want_ring, start=start, seq_lens=want_lens)
+        compare_pools(pool, want, layout, key, summed)
+        assert torch.equal(lens, want_lens)
+        assert torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
+
+    pool = layout.allocate(8, "cpu")
+    ring = (torch.zeros(2, KV_HEADS, 4, DIM), torch.zeros(2, KV_HEADS, 4, DIM))
+    lens = torch.zeros(2, dtype=torch.int32)
+    check(pool, first, ring, lens, 3, 3)
+    check(pool, first, ring, lens, 4, 4)
+    assert holds["store"] == 1
+    grown = layout.allocate(16, "cpu")
+    pool.fill_(0xFF)
+    check(grown, first, ring, lens, 5, 5)
+    check(grown, torch.tensor([0, 32]), ring, lens, 6, 6)  # rows laid out further apart (a grown pool's table)
+    assert holds["store"] == 3
 
 
 def test_held_attention_follows_a_replaced_split_workspace(holds, monkeypatch):

@@ -145,12 +145,13 @@ def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
     return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
 
 
-# ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
-@triton.jit(do_not_specialize=["ring_start", "new_len"])
+# slot_shift, ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
+@triton.jit(do_not_specialize=["slot_shift", "ring_start", "new_len"])
 def _store_kernel(
     key_ptr, stride_kn, stride_kh,  # [N, H, D] fp16/bf16/fp32, last dim contiguous
     val_ptr, stride_vn, stride_vh,  # [N, H, D]
     slots_ptr,  # [N] int64, negative = skip
+    slot_shift,  # added to every slot that is not skipped (a decode step: the rows' first slots + its position's)
     pool_ptr,  # [num_blocks, H, plane_bytes] uint8
     rot_ptr,  # [D, D] fp32 key rotation R (rotated = x @ R^T)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids (ascending)
@@ -178,6 +179,7 @@ def _store_kernel(
     n = pid_n * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + n, mask=n < N, other=-1)
     ok = slot >= 0
+    slot += slot_shift
     blk = tl.where(ok, slot // T, 0)
     off = tl.where(ok, slot % T, 0)
     plane = pool_ptr + blk * block_bytes + h * plane_bytes  # [BLOCK_T] uint8 pointers
@@ -298,10 +300,11 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
              key_offset: torch.Tensor | None = None, launch: StoreLaunchConfig | None = None,
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
              seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None,
-             held: "HeldStore | None" = None) -> None:
+             held: "HeldStore | None" = None, slot_shift: int = 0) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
 
-    Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
+    Same contract and bytes as reference.store (slot_shift: a host int added to every slot that is not
+    skipped; key_offset: the key_centering mean, [H, D] or per
     row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config;
     recent: the exact ring [R, H, W, D] that gets each row's last new tokens, their positions counted from
     `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
@@ -316,7 +319,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens), launch,
                      traits)
         if held.serves(signature, key, value):
-            held.launch(key, value, start)
+            held.launch(key, value, start, slot_shift)
             return
     if launch is not None and type(launch) is not StoreLaunchConfig:
         raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
@@ -328,28 +331,30 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     if plan is None or plan.layout is not layout:
         plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, launch, ring_k, ring_v,
                                                seq_lens, traits))
-    _check_start(start)
+    _check_positions(start, slot_shift)
     if plan.site is None:  # no tokens
         return
     koff = key_offset.float().contiguous() if key_offset is not None else plan.cent
-    lasting = (slots, pool, plan.rot, plan.cent, plan.bnd, koff, *plan.scalars)
+    lasting = (pool, plan.rot, plan.cent, plan.bnd, koff, *plan.scalars)
     with device_of(pool):
-        plan.site(*_store_arguments(key, value, lasting, ring_k, ring_v, plan.ring_scalars, start,
+        plan.site(*_store_arguments(key, value, slots, slot_shift, lasting, ring_k, ring_v, plan.ring_scalars, start,
                                     seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
     if signature is not None:
         held.hold(signature, plan, key, value, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
 
 
-def _check_start(start) -> None:
+def _check_positions(start, slot_shift) -> None:
     if type(start) is not int or start < 0:
         raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
+    if type(slot_shift) is not int or slot_shift < 0:
+        raise ValueError(f"slot_shift must be an int >= 0 (added to every stored slot), got {slot_shift!r}")
 
 
-def _store_arguments(key, value, lasting: tuple, ring_k, ring_v, ring_scalars: tuple, start: int, seq_lens,
-                     tokens_per_row: int) -> tuple:
+def _store_arguments(key, value, slots, slot_shift: int, lasting: tuple, ring_k, ring_v, ring_scalars: tuple,
+                     start: int, seq_lens, tokens_per_row: int) -> tuple:
     """The store kernel's runtime arguments: the tokens (absent ring buffers: the tokens as placeholders), the
-    arguments that last across calls, the positions."""
-    return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), *lasting,
+    slots, the arguments that last across calls, the positions."""
+    return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slots, slot_shift, *lasting,
             ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *ring_scalars,
             start, seq_lens, start + tokens_per_row)
 
@@ -376,14 +381,15 @@ class HeldStore:
         self._signature, self._plan, self._lasting, self._tensors = signature, plan, lasting, tensors
         self._key_kind, self._value_kind = argument_key(key), argument_key(value)
 
-    def launch(self, key: torch.Tensor, value: torch.Tensor, start: int) -> None:
-        """The held call with new tokens at `start`."""
-        _check_start(start)
+    def launch(self, key: torch.Tensor, value: torch.Tensor, start: int, slot_shift: int = 0) -> None:
+        """The held call with new tokens at `start`, their slots shifted by `slot_shift`."""
+        _check_positions(start, slot_shift)
         plan = self._plan
         pool, _, slots, _, ring_k, ring_v, seq_lens = self._tensors
         with device_of(pool):
-            plan.site(*_store_arguments(key, value, self._lasting, ring_k, ring_v, plan.ring_scalars, start,
-                                        seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
+            plan.site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v,
+                                        plan.ring_scalars, start, seq_lens if seq_lens is not None else slots,
+                                        plan.tokens_per_row))
 
 
 @dataclasses.dataclass(slots=True)
