@@ -214,9 +214,12 @@ class TurboQuantLayer(CacheLayerMixin):
             self._recenter_pending = not dense  # the "turboquant" attention refines it once padding is known
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
-        ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift,
-                  held=self.launches if new == 1 else None)  # (a prefill's slots are its own: not held)
+        if new == 1:  # a decode step: its tokens as they are (one per row) and the layer's held plans
+            ops.store(self.pool, self.layout, key_states, value_states, slots, key_offset=self.key_offset,
+                      recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift, held=self.launches)
+        else:
+            ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
+                      key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
         self.length = start + new
 
         exact = was_empty and self.layout.config.prefill_attention == "exact"

@@ -70,8 +70,8 @@ class HeldLaunches:
 
 def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
           held: HeldLaunches | None = None, **kwargs) -> None:
-    """Quantize key/value [N, H, D] into slots [N] of pool (negative slots skipped); see reference.store.
-    held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
+    """Quantize key/value [N, H, D] (or a decode step's [R, H, 1, D]) into slots [N] of pool (negative slots
+    skipped); see reference.store. held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
     if torch.compiler.is_compiling():
         recent = kwargs.get("recent") or (None, None)
         if kwargs.get("slot_shift"):  # (compiled steps compute their slots whole; the op takes no shift)

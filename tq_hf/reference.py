@@ -282,7 +282,8 @@ def store(
     seq_lens: torch.Tensor | None = None,
     slot_shift: int = 0,
 ) -> None:
-    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] (+ slot_shift) of the pool.
+    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] (+ slot_shift) of the pool; a decode
+    step's [R, H, 1, D] (one token per row) are read as [R, H, D] (token_rows).
 
     A slot is block * block_size + offset; negative slots are skipped (padding). `slot_shift` (a host int >= 0) is
     added to every other slot: a decode step passes each row's first slot and the shift of its position.
@@ -293,6 +294,7 @@ def store(
     tokens (of its L = N / R, at positions start .. start + L - 1) are copied there as they are, position p at
     slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
     """
+    key, value = token_rows(key), token_rows(value)
     if recent is not None:
         write_recent(recent, key, value, start)
     if seq_lens is not None:
@@ -313,6 +315,11 @@ def store(
     meta[block, :, KEY_SCALE, offset] = k_scale
     meta[block, :, VALUE_SCALE, offset] = v_scale
     meta[block, :, VALUE_MID, offset] = v_mid
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R, H, 1, D] (one new token per row) as [R, H, D] (a view: the same memory and strides); else x as it is."""
+    return x.select(2, 0) if x.dim() == 4 and x.shape[2] == 1 else x
 
 
 def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,

@@ -69,8 +69,9 @@ def test_held_attention_replans_for_replaced_tensors_and_settings(holds):
 
 
 def test_held_store_replans_for_replaced_tensors(holds):
-    """store_kv with a HeldStore: the same pool, slots, ring and lengths -> reused, with each call's tokens, start
-    and slot_shift; another pool or other slots -> planned anew. Pools, ring and lengths match reference.store's."""
+    """store_kv with a HeldStore: the same pool, slots, ring and lengths -> reused, with each call's tokens (a decode
+    step's [R, H, 1, D]), start and slot_shift; another pool or other slots -> planned anew. Pools, ring and lengths
+    match reference.store's (given [N, H, D] tokens and the summed slots)."""
     layout = make_layout("4bit", KV_HEADS, DIM)
     held = HeldStore()
     first = torch.tensor([0, 16])  # 2 rows, one block of 16 tokens apart
@@ -78,8 +79,9 @@ def test_held_store_replans_for_replaced_tensors(holds):
     def check(pool, slots, ring, lens, start, shift):
         key, value = torch.randn(2, KV_HEADS, DIM), torch.randn(2, KV_HEADS, DIM)
         want, want_ring, want_lens = pool.clone(), (ring[0].clone(), ring[1].clone()), lens.clone()
-        store_kv(pool, layout, key, value, slots, recent=ring, start=start, seq_lens=lens, slot_shift=shift,
-                 held=held)
+        # as a decode step passes them: [rows, H, 1, D], one token per row
+        store_kv(pool, layout, key.unsqueeze(2), value.unsqueeze(2), slots, recent=ring, start=start, seq_lens=lens,
+                 slot_shift=shift, held=held)
         summed = slots + shift
         reference.store(want, layout, key, value, summed, recent=want_ring, start=start, seq_lens=want_lens)
         compare_pools(pool, want, layout, key, summed)

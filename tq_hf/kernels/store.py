@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..codebook import is_symmetric
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
+from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
@@ -301,7 +302,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
              seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None,
              held: "HeldStore | None" = None, slot_shift: int = 0) -> None:
-    """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
+    """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip). A decode step's
+    [R, H, 1, D] (one token per row) is read as [R, H, D], without a view per call once held.
 
     Same contract and bytes as reference.store (slot_shift: a host int added to every slot that is not
     skipped; key_offset: the key_centering mean, [H, D] or per
@@ -321,6 +323,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         if held.serves(signature, key, value):
             held.launch(key, value, start, slot_shift)
             return
+    given = key, value  # (the kinds a held call compares)
+    key, value = token_rows(key), token_rows(value)
     if launch is not None and type(launch) is not StoreLaunchConfig:
         raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
                         f"{type(launch).__name__}")
@@ -340,7 +344,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         plan.site(*_store_arguments(key, value, slots, slot_shift, lasting, ring_k, ring_v, plan.ring_scalars, start,
                                     seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
     if signature is not None:
-        held.hold(signature, plan, key, value, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
+        held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
 
 
 def _check_positions(start, slot_shift) -> None:
