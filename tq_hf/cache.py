@@ -101,6 +101,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
         self.launches = ops.HeldLaunches()  # a decode step's kernel plans, kept while the buffers stay the same
+        self._inputs_passed = None  # the kinds of the last K/V found good (_check_inputs)
         self._drop_buffers()
         self._clear()
 
@@ -283,7 +284,19 @@ class TurboQuantLayer(CacheLayerMixin):
         return _static(torch.zeros(shape, dtype=dtype, device=self.device), self.max_cache_len is not None)
 
     def _check_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Clear errors for inputs the store would reject deep inside (or, worse, accept silently)."""
+        """Clear errors for inputs the store would reject deep inside (or, worse, accept silently). Inputs of the
+        kinds (shapes, dtypes, devices) last found good pass at once (decode steps repeat them)."""
+        kinds = None
+        if type(key_states) is torch.Tensor and type(value_states) is torch.Tensor:
+            kinds = (key_states.shape, key_states.dtype, key_states.device, value_states.shape, value_states.dtype,
+                     value_states.device)
+            if kinds == self._inputs_passed:
+                return
+        self._check_new_inputs(key_states, value_states)
+        if self.is_initialized:  # (before the first update the heads are not known yet: nothing to remember)
+            self._inputs_passed = kinds
+
+    def _check_new_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         expected = (self.layout.num_kv_heads, self.layout.head_dim)
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor):
