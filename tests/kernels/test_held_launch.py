@@ -17,7 +17,8 @@ from tq_hf.config import TurboQuantConfig
 from tq_hf.kernels import HeldAttention, HeldStore, store_kv, unified_attention
 from tq_hf.kernels import attention as attention_kernel
 
-from kernel_helpers import attention_tolerance, compare_pools, default_scale, fill_cache, make_layout, rel_error
+from kernel_helpers import (attention_tolerance, compare_pools, default_scale, exact_prefix, fill_cache, make_layout,
+                            rel_error)
 
 HEADS, KV_HEADS, DIM = 4, 2, 64  # block_size 16 at head_dim 64
 
@@ -66,6 +67,29 @@ def test_held_attention_replans_for_replaced_tensors_and_settings(holds):
     assert holds["attention"] == 4
     check(pool2, table2, seq, 20, scale=0.5)
     assert holds["attention"] == 4
+
+
+def test_a_converted_key_offset_is_never_held(holds):
+    """A key_offset the launcher converts (here fp16) is not kept by a held launch: a copy would miss in-place
+    writes to the caller's tensor. Each call reads the offset as it is then."""
+    layout = make_layout("4bit", KV_HEADS, DIM, key_centering=True)
+    mu = torch.randn(KV_HEADS, DIM)
+    pool, table = fill_cache(layout, [37, 50], key_offset=mu)
+    seq = torch.tensor([37, 50], dtype=torch.int32)
+    offset = mu.half()
+    # exact prefix keys are not centred: moving the offset moves the pool's keys against them
+    prefix_keys, prefix_values = exact_prefix(layout, 2, 4)
+    held = HeldAttention()
+    for _ in range(2):
+        q = torch.randn(2, HEADS, 1, DIM) * 3
+        out = torch.full_like(q, float("nan"))
+        unified_attention(q, pool, layout, table, seq, 0.1, out=out, max_seq_len=50, key_offset=offset,
+                          prefix_keys=prefix_keys, prefix_values=prefix_values, held=held)
+        want = reference.paged_attention(q, pool, layout, table, seq, 0.1, key_offset=offset.float(),
+                                         prefix_keys=prefix_keys, prefix_values=prefix_values)
+        assert rel_error(out, want) <= attention_tolerance(q.dtype, want)
+        offset.add_(2.0)  # the caller moves its offset in place
+    assert holds["attention"] == 0, "a converted key_offset must not be held"
 
 
 def test_held_store_replans_for_replaced_tensors(holds):

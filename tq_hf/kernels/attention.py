@@ -18,7 +18,7 @@ from ..layout import BlockLayout
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import PlanCache, argument_key, device_of, value_key
+from .fast_launch import PlanCache, argument_key, device_of, holdable_offset, value_key
 from .launch import launch_fitting
 from .launch_config import DEFAULT as _NO_OVERRIDES, LaunchConfig
 from .plan import AttentionPlan
@@ -100,7 +100,7 @@ def unified_attention(
             plan.attention(*args)
         if plan.split:
             plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
-    if signature is not None:
+    if signature is not None and holdable_offset(key_offset):
         held.hold(signature, plan, query, out, middle, (pout, plse), (pool, layout, block_table, seq_lens, kv_start,
                                                                     sinks, key_offset, prefix_keys, prefix_values,
                                                                     recent_keys, recent_values, workspace))

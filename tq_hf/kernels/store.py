@@ -22,7 +22,7 @@ from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import LaunchSite, PlanCache, argument_key, device_of
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, holdable_offset
 from .launch_config import StoreLaunchConfig
 from .rotation import hadamard_dot, hadamard_input, matmul_square
 from .rounding import bf16_bits_to_f32, bf16_rne_bits, bf16_up_bits, fp8e4m3_bits
@@ -343,7 +343,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     with device_of(pool):
         plan.site(*_store_arguments(key, value, slots, slot_shift, lasting, ring_k, ring_v, plan.ring_scalars, start,
                                     seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
-    if signature is not None:
+    if signature is not None and holdable_offset(key_offset):
         held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
 
 
