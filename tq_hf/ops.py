@@ -67,6 +67,12 @@ class HeldLaunches:
     def drop(self) -> None:
         self.store = self.attention = None
 
+    def __deepcopy__(self, memo) -> "HeldLaunches":
+        return HeldLaunches()  # a copied cache has other tensors: nothing held applies to it (nor copies a kernel)
+
+    def __reduce__(self):
+        return HeldLaunches, ()
+
 
 def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
           held: HeldLaunches | None = None, **kwargs) -> None:

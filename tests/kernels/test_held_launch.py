@@ -7,6 +7,8 @@ bytes are NaN scales, NaN exact buffers) and every output is compared with refer
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -256,3 +258,18 @@ def test_reset_lets_go_of_held_buffers(monkeypatch):
     assert launches.store is not None and launches.attention is not None
     twins.both("reset")
     assert launches.store is None and launches.attention is None
+
+
+def test_a_copied_cache_holds_nothing_and_decodes_on_its_own_tensors(monkeypatch):
+    """copy.deepcopy of a cache (reusing a prompt's cache) copies no held plan (nor a compiled kernel); the copy's
+    decode steps plan over its own tensors and match the reference path, the original's too."""
+    twins = Twins(monkeypatch)
+    twins.prefill(2, 20)
+    twins.decode(2)
+    originals = dict(twins.caches)
+    twins.caches = {path: copy.deepcopy(cache) for path, cache in originals.items()}
+    launches = twins.layer.launches
+    assert launches.store is None and launches.attention is None
+    twins.decode(2)
+    twins.caches = originals
+    twins.decode(1)
