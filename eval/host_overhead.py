@@ -80,7 +80,7 @@ def stubbed_dense_ops():
         buf = buffers.get(key)
         if buf is None or buf.shape[dim] < length:
             shape = list(first.shape)
-            shape[dim] = 2 * length
+            shape[dim] = length + max(length // 4, 64)  # room for the steps to come
             buf = buffers[key] = first.new_empty(shape)
         return buf.narrow(dim, 0, length)
 
@@ -197,28 +197,30 @@ WARMUP_STEPS = 20  # plans made, caches warm
 
 
 def _measure(args) -> list[dict]:
-    """The fp16 sdpa row, then one row per preset: the median over --rounds of the mean us per decode layer step."""
-    rows = []
+    """The fp16 sdpa row, then one row per preset: the median over --rounds of the mean us per decode layer step.
+    Rounds alternate between the rows, so a change of load on a shared machine hits every row alike."""
     headroom = WARMUP_STEPS + args.steps * (args.rounds + args.profile)
-    for preset in [DENSE, *args.presets.split(",")]:
-        if preset == DENSE:
-            step, stubs = dense_layer_step(args.batch, args.context), stubbed_dense_ops()
-        else:
-            step, stubs = layer_step(preset, args.batch, args.context, headroom=headroom), stubbed_launches()
-        with stubs:
-            for _ in range(WARMUP_STEPS):
-                step()
-            per_round = [time_steps(step, args.steps) for _ in range(args.rounds)]
-            if args.profile:
+    steps = {DENSE: (dense_layer_step(args.batch, args.context), stubbed_dense_ops)}
+    for preset in args.presets.split(","):
+        steps[preset] = (layer_step(preset, args.batch, args.context, headroom=headroom), stubbed_launches)
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
+    for first in [True] + [False] * (args.rounds - 1):
+        for name, (step, stubs) in steps.items():
+            with stubs():
+                for _ in range(WARMUP_STEPS if first else 0):
+                    step()
+                per_round[name].append(time_steps(step, args.steps))
+    if args.profile:
+        for name, (step, stubs) in steps.items():
+            with stubs():
                 prof = cProfile.Profile()
                 prof.runcall(time_steps, step, args.steps)
-                print(f"== {preset}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-        us = statistics.median(per_round)
-        rows.append({"preset": preset, "batch": args.batch, "context": args.context, "steps": args.steps,
-                     "us_per_layer_step": us, "vs_dense": us / rows[0]["us_per_layer_step"] if rows else 1.0,
-                     "rounds_us": per_round})
-    return rows
+            print(f"== {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    dense = statistics.median(per_round[DENSE])
+    return [{"preset": name, "batch": args.batch, "context": args.context, "steps": args.steps,
+             "us_per_layer_step": statistics.median(rounds), "vs_dense": statistics.median(rounds) / dense,
+             "rounds_us": rounds} for name, rounds in per_round.items()]
 
 
 if __name__ == "__main__":
