@@ -35,6 +35,8 @@ def test_report(tmp_path):
     assert all(r["us_per_layer_step"] > 0 and len(r["rounds_us"]) == 2 for r in report["rows"])
     dense = report["rows"][0]["us_per_layer_step"]
     assert [r["vs_dense"] for r in report["rows"]] == [1.0] + [r["us_per_layer_step"] / dense for r in report["rows"][1:]]
+    best = min(report["rows"][0]["rounds_us"])
+    assert [r["best_vs_dense"] for r in report["rows"]] == [min(r["rounds_us"]) / best for r in report["rows"]]
     table = (tmp_path / "table.md").read_text()
     assert (tmp_path / "results.json").exists() and "us per layer step" in table
     assert table.splitlines()[2] == f"Command: `{report['meta']['command']}`"  # the command right under the title
