@@ -115,8 +115,8 @@ class HeldAttention:
     Identity is a sound key because the held tensors are referenced here: no other tensor can take their ids while
     they are held. It assumes what the cache's tensors obey: a tensor keeps its shape, strides and storage (the cache
     replaces a buffer rather than resizing it in place). A call with anything else plans through unified_attention's
-    plan cache, validating what is new, and is held instead. Saves the plan key and argument tuple of every call
-    (~30 us of host time per decode step and layer).
+    plan cache, validating what is new, and is held instead. What a held call saves: the plan key over every argument
+    and the argument tuple (docs/performance.md has the host time).
     """
 
     __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials", "_workspaces")
