@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -169,12 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="eval/results/host_overhead")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
+    load = os.getloadavg()[0]  # other work on a shared machine slows every row
     torch.set_num_threads(1)  # steadier figures; restored below
     try:
         rows = _measure(args)
     finally:
         torch.set_num_threads(threads)
-    report = {"meta": run_metadata("eval.host_overhead", argv), "rows": rows}
+    report = {"meta": run_metadata("eval.host_overhead", argv), "load_average": load, "rows": rows}
     print(write_outputs(Path(args.out), report))
     return report
 
@@ -190,7 +192,8 @@ def write_outputs(out: Path, report: dict) -> str:
                              f"{r['vs_dense']:.2f}", f"{r['best_us']:.1f}", f"{r['best_vs_dense']:.2f}",
                              " / ".join(f"{x:.1f}" for x in r["rounds_us"])] for r in report["rows"]])
     head = md_header("Host time of one decode layer step (Triton launches stubbed, CPU tensors)",
-                     report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread")
+                     report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread",
+                     f"load average {report['load_average']:.1f} at the start (of {os.cpu_count()} CPUs)")
     (out / "table.md").write_text(head + "\n" + table + "\n")
     return table
 
