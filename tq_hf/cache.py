@@ -242,7 +242,9 @@ class TurboQuantLayer(CacheLayerMixin):
             if self.max_cache_len is not None:  # as StaticLayer: the whole capacity, HF's mask hides the rest
                 return self._dense_capacity(key_states, value_states, start if exact else None)
             return (key_states, value_states) if exact else self.dequantized(key_states.dtype)
-        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start, window))
+        # (a one-token step attends the layer's ring as every decode step does; its window served the means only)
+        setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start,
+                                                      window if new > 1 else None))
         return key_states, value_states
 
     def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor,
