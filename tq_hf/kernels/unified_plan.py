@@ -99,9 +99,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 4-bit values as 16-bit words (two tokens per MMA operand register): decode tiles of <= 32 rows only (64-row
     # wgmma tiles computed wrong results), and on a GPU only where every warp gets a column tile of its own
     # (D/4 >= 8 x warps; at head_dim 64 the words were 2.1x slower than the bytes)
-    # (with the levers, 32-row tiles decode the words 2x slower than the bytes: 8 queries of a chunk, G=4, over 32k)
-    value_words = (cfg.value_bits == 4 and decode and (block_m <= 16 or plain_format)
-                   and d // 4 >= (8 * num_warps if on_gpu else 16))
+    value_words = cfg.value_bits == 4 and decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
     value_words = bool(_pick(launch.value_words, value_words))
     if value_words and cfg.value_bits != 4:
         raise ValueError(f"LaunchConfig value_words=True needs 4-bit values, got {cfg.value_bits}-bit")
