@@ -20,6 +20,12 @@ figures are the minimum over --repeats runs. Peak KV-side memory = peak allocate
 minus what was allocated before it (weights), so it includes prefill activations; cache bytes =
 what the cache holds at the end (TurboQuantCache.memory_footprint, or the stored tensors).
 
+--turn2-tokens N adds a chat's next turn to every run: the same cache, the conversation so far plus N new
+tokens per row, one more generate() step; "turn 2 s" = its time to the first token (the N tokens' forward over
+the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K adds a run of generate() with
+prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
+prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's.
+
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
 seconds-long CPU run on random:tiny (used by the tests). Writes OUT/results.json, OUT/table.md and,
@@ -72,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="timed runs; figures are the minimum")
     p.add_argument("--time-budget", type=float, default=330.0,
                    help="seconds; points not started within it are skipped (recorded as such)")
+    p.add_argument("--turn2-tokens", type=int, default=0,
+                   help="time a second turn of this many new tokens per row over each run's cache (0: off)")
+    p.add_argument("--prompt-lookup", type=int, default=0,
+                   help="also time generate(prompt_lookup_num_tokens=K) per point and cache (0: off)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="model dtype (default float16 on GPU, float32 on CPU)")
@@ -188,8 +198,11 @@ def compile_config(device: str):
     return config
 
 
-def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None) -> dict:
-    """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory."""
+def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None, turn2_tokens: int = 0,
+            lookup: int = 0) -> dict:
+    """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory;
+    with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup, tokens/s of
+    a prompt-lookup generate() over a fresh cache."""
     from transformers import LogitsProcessorList
 
     if cache is None:
@@ -205,9 +218,9 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
     before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
     synchronize(device)
     start = time.perf_counter()
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1, do_sample=False,
-                   logits_processor=LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None,
-                   **common.with_cache(model, cache), **extra)
+    sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1,
+                               do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0,
+                               eos_token_id=None, **common.with_cache(model, cache), **extra)
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     result = {
         "prefill_s": clock.stamps[0] - start,
@@ -218,8 +231,44 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
         if spec.family == "fake-quant peer" else cache_bytes(cache),
         "peak_kv_side_bytes": (torch.cuda.max_memory_allocated() - before) if device.startswith("cuda") else None,
     }
+    if turn2_tokens:
+        result["turn2_s"] = next_turn_seconds(model, cache, sequences, turn2_tokens, device, extra)
+    if lookup:
+        result["lookup_tokens_per_s"] = lookup_tokens_per_second(model, spec, prompt, new_tokens, lookup, device)
     del cache
     return result
+
+
+def next_turn_seconds(model, cache, sequences: torch.Tensor, tokens: int, device: str, extra: dict) -> float:
+    """A chat's next turn: the conversation so far plus `tokens` new ones per row, through the same cache;
+    seconds to its first token (one forward of the new tokens over the history)."""
+    from transformers import LogitsProcessorList
+
+    g = torch.Generator().manual_seed(sequences.shape[1])
+    turn = torch.randint(3, model.config.get_text_config(decoder=True).vocab_size, (sequences.shape[0], tokens), generator=g)
+    conversation = torch.cat([sequences, turn.to(sequences.device)], 1)
+    clock = StepClock(device)
+    synchronize(device)
+    start = time.perf_counter()
+    model.generate(conversation, attention_mask=torch.ones_like(conversation), max_new_tokens=1, do_sample=False,
+                   logits_processor=LogitsProcessorList([clock]), pad_token_id=0, eos_token_id=None,
+                   **common.with_cache(model, cache), **extra)
+    return clock.stamps[0] - start
+
+
+def lookup_tokens_per_second(model, spec, prompt: torch.Tensor, new_tokens: int, lookup: int, device: str) -> float:
+    """Tokens per second of generate(prompt_lookup_num_tokens=lookup) over a fresh cache and a repetitive prompt
+    (its first quarter repeated): verification forwards of up to lookup + 1 tokens instead of one-token steps."""
+    quarter = prompt[:, : max(1, prompt.shape[1] // 4)]
+    repeats = -(-prompt.shape[1] // quarter.shape[1])
+    repetitive = quarter.repeat(1, repeats)[:, : prompt.shape[1]]
+    synchronize(device)
+    start = time.perf_counter()
+    out = model.generate(repetitive, attention_mask=torch.ones_like(repetitive), max_new_tokens=new_tokens,
+                         do_sample=False, prompt_lookup_num_tokens=lookup, pad_token_id=0, eos_token_id=None,
+                         **common.with_cache(model, spec.build(model.config)))
+    synchronize(device)
+    return (out.shape[1] - repetitive.shape[1]) / (time.perf_counter() - start)
 
 
 def measure(model, spec, batch: int, context: int, args) -> dict:
@@ -231,12 +280,17 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     cache = None
     if spec.name.endswith(COMPILED):  # one cache for every run (static addresses); graphs from other points dropped
         torch._dynamo.reset()
-        cache = spec.build(model.config, context + args.new_tokens + 1)
+        turn2 = args.turn2_tokens + 1 if args.turn2_tokens else 0  # a next turn's tokens and its answer
+        cache = spec.build(model.config, context + args.new_tokens + 1 + turn2)
+    # (prompt lookup builds caches of its own size: timed for the growing caches only)
+    extra = dict(turn2_tokens=args.turn2_tokens, lookup=0 if spec.name.endswith(COMPILED) else args.prompt_lookup)
     with torch.inference_mode():
         for _ in range(args.warmup):
-            one_run(model, spec, prompt, args.new_tokens, args.device, cache)
-        runs = [one_run(model, spec, prompt, args.new_tokens, args.device, cache) for _ in range(args.repeats)]
+            one_run(model, spec, prompt, args.new_tokens, args.device, cache, **extra)
+        runs = [one_run(model, spec, prompt, args.new_tokens, args.device, cache, **extra) for _ in range(args.repeats)]
     best = {k: min(r[k] for r in runs) if runs[0][k] is not None else None for k in runs[0]}
+    if "lookup_tokens_per_s" in best:  # a rate: the best run is the fastest
+        best["lookup_tokens_per_s"] = max(r["lookup_tokens_per_s"] for r in runs)
     fp16_kv = batch * (context + args.new_tokens + 1) * common.cache_spec(common.REFERENCE).bytes_per_token(model.config)
     best["cache_vs_fp16"] = best["cache_bytes"] / fp16_kv
     return best
@@ -283,6 +337,10 @@ def add_ratios(rows: list[dict]) -> None:
         compiled = static.get((r["batch"], r["context"]))
         if compiled:
             r["decode_vs_fp16_compiled"] = r["decode_ms_per_token"] / compiled["decode_ms_per_token"]
+        if base and base.get("turn2_s") and r.get("turn2_s") is not None:
+            r["turn2_vs_fp16"] = r["turn2_s"] / base["turn2_s"]
+        if base and base.get("lookup_tokens_per_s") and r.get("lookup_tokens_per_s") is not None:
+            r["lookup_vs_fp16"] = r["lookup_tokens_per_s"] / base["lookup_tokens_per_s"]
 
 
 def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
@@ -293,14 +351,20 @@ def write_outputs(out: Path, report: dict, plots: bool = True) -> None:
     def fmt(r, key, f):
         return f.format(r[key]) if r.get(key) is not None else "-"
 
+    turns = any(r.get("turn2_s") is not None for r in rows)
+    lookups = any(r.get("lookup_tokens_per_s") is not None for r in rows)
     table = common.markdown_table(
         ["B", "S", "cache", "decode ms/token", "vs fp16", "vs fp16+compile", "prefill s", "peak KV-side GiB",
-         "cache GiB", "cache vs fp16"],
+         "cache GiB", "cache vs fp16"] + (["turn 2 s", "vs fp16"] if turns else [])
+        + (["lookup tokens/s", "vs fp16"] if lookups else []),
         [[r["batch"], r["context"], r["cache"], r.get("skipped") or fmt(r, "decode_ms_per_token", "{:.3f}"),
           fmt(r, "decode_vs_fp16", "{:.2f}x"), fmt(r, "decode_vs_fp16_compiled", "{:.2f}x"), fmt(r, "prefill_s", "{:.3f}"),
           "-" if r.get("peak_kv_side_bytes") is None else f"{r['peak_kv_side_bytes'] / GIB:.2f}",
           "-" if r.get("cache_bytes") is None else f"{r['cache_bytes'] / GIB:.3f}",
-          fmt(r, "cache_vs_fp16", "{:.3f}")] for r in rows],
+          fmt(r, "cache_vs_fp16", "{:.3f}")]
+         + ([fmt(r, "turn2_s", "{:.4f}"), fmt(r, "turn2_vs_fp16", "{:.2f}x")] if turns else [])
+         + ([fmt(r, "lookup_tokens_per_s", "{:.1f}"), fmt(r, "lookup_vs_fp16", "{:.2f}x")] if lookups else [])
+         for r in rows],
     )
     head = common.md_header("generate() speed and KV memory", report["meta"]["command"],
                             f"model: {report['model']} ({report['dtype']})",

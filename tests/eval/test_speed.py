@@ -96,3 +96,29 @@ def test_compiled_rows_and_both_ratios(tmp_path):
 def test_compile_suffix_only_for_caches_that_have_a_compileable_form():
     with pytest.raises(ValueError, match="compile"):
         speed.resolve_caches("naive-int4+compile")
+
+
+def test_next_turn_and_prompt_lookup_rows(tmp_path, monkeypatch):
+    """--turn2-tokens times a next turn over each run's own cache (its forward sees the history: a cache emptied
+    before it would give another length), --prompt-lookup a prompt-lookup generate(); both with fp16 ratios."""
+    lengths = []
+    original = speed.next_turn_seconds
+
+    def recording(model, cache, sequences, tokens, device, extra):
+        before = cache.get_seq_length()
+        seconds = original(model, cache, sequences, tokens, device, extra)
+        lengths.append((before, cache.get_seq_length(), sequences.shape[1]))
+        return seconds
+
+    monkeypatch.setattr(speed, "next_turn_seconds", recording)
+    out = tmp_path / "speed"
+    tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
+    speed.main(["--preset-set", "tiny", "--points", "1x32", "--caches", f"{tq},{tq}+compile", "--turn2-tokens", "6",
+                "--prompt-lookup", "3", "--out", str(out), "--device", "cpu"])
+    rows = {r["cache"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert rows["fp16"]["turn2_vs_fp16"] == 1.0 and rows["fp16"]["lookup_vs_fp16"] == 1.0
+    assert rows[tq]["turn2_s"] > 0 and rows[tq]["turn2_vs_fp16"] > 0 and rows[tq]["lookup_tokens_per_s"] > 0
+    assert rows[f"{tq}+compile"]["turn2_s"] > 0 and rows[f"{tq}+compile"].get("lookup_tokens_per_s") is None
+    # each next turn went over its run's history (32 + 5 tokens, the last not yet stored) and added 6 + 1 tokens
+    assert all(before == 36 and seq == 37 and after == 37 + 6 for before, after, seq in lengths), lengths
+    assert "turn 2 s" in (out / "table.md").read_text() and "lookup tokens/s" in (out / "table.md").read_text()
