@@ -406,10 +406,7 @@ def turns_table(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.chunked", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), an HF id/path, or random:<shape>")
-    p.add_argument("--dataset", default="wiki", choices=["wiki", "wikitext"],
-                   help="wiki: offline Wikipedia text (default); wikitext: wikitext-2-raw-v1 test (needs the hub)")
-    p.add_argument("--text-file", help="use this UTF-8 text file instead of --dataset")
+    common.add_model_and_text_args(p, "the prompts' text")
     p.add_argument("--presets", default=DEFAULT_PRESETS,
                    help=f"comma-separated caches (fp16 always runs first as the reference); known: "
                         f"{', '.join(common.cache_names())}")

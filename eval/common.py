@@ -305,6 +305,15 @@ def _hf_quantized_unavailable(backend: str) -> str | None:
     return None
 
 
+def add_model_and_text_args(p, text_use: str) -> None:
+    """--model, --dataset and --text-file, as the real-model evals take them; text_use: what the text is for."""
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), an HF id/path, or random:<shape>")
+    p.add_argument("--dataset", default="wiki", choices=["wiki", "wikitext"],
+                   help=f"{text_use}: wiki, offline Wikipedia text (default), or wikitext, wikitext-2-raw-v1 test "
+                        "(needs the hub)")
+    p.add_argument("--text-file", help=f"{text_use} from this UTF-8 text file instead of --dataset")
+
+
 def cache_names() -> list[str]:
     """Every name cache_spec accepts."""
     tq = [p for p in TURBOQUANT_PRESETS] + [f"{p}-all" for p in TURBOQUANT_PRESETS]

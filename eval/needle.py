@@ -81,9 +81,7 @@ HAYSTACK_MARK = "\x00HAYSTACK\x00"  # where the user turn's text goes in the ren
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.needle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), an HF id/path, or random:<shape>")
-    p.add_argument("--dataset", default="wiki", choices=["wiki", "wikitext"], help="haystack text source")
-    p.add_argument("--text-file", help="haystack from this UTF-8 text file instead")
+    common.add_model_and_text_args(p, "the haystack")
     p.add_argument("--presets", default=DEFAULT_CACHES,
                    help=f"comma-separated caches (fp16 always runs as the reference); known: "
                         f"{', '.join(common.cache_names())}")

@@ -34,10 +34,7 @@ DEFAULT_CACHES = "fp16,4bit,k8v4,k3v4,3bit,quanto-int4,hqq-int4,naive-int4,hadam
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m eval.perplexity", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), an HF id/path, or random:<shape>")
-    p.add_argument("--dataset", default="wiki", choices=["wiki", "wikitext"],
-                   help="wiki: offline Wikipedia text (default); wikitext: wikitext-2-raw-v1 test (needs the hub)")
-    p.add_argument("--text-file", help="score this UTF-8 text file instead of --dataset")
+    common.add_model_and_text_args(p, "the text scored")
     p.add_argument("--presets", default=DEFAULT_CACHES,
                    help=f"comma-separated caches (fp16 is always run first as the reference); known: "
                         f"{', '.join(common.cache_names())}")
