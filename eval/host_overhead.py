@@ -9,8 +9,16 @@ generate() on the device for that) but it moves with the host-side code, so host
 
     python -m eval.host_overhead --presets 4bit,k8v4 --batch 1 --steps 2000 --out eval/results/host_overhead
 
-Prints a table (us per layer step, median of --rounds) and writes OUT/results.json and OUT/table.md; --profile
-prints the top functions of one more round.
+The comparison row "fp16 sdpa" times what transformers' own decode step does at the same shapes: a DynamicCache
+update plus `sdpa_attention_forward`, with its two heavy ops stubbed the same way (torch.cat returns a view of a
+preallocated buffer of the concatenated shape, sdpa an empty output), so both rows count the Python and the small
+tensor ops a GPU host pays, not CPU memory traffic or math. A stubbed op costs a view here, less than the CUDA
+launch it stands for, so the fp16 figure errs low (the ratio errs against TurboQuant).
+The compressed pool is reserved for every timed step up front: its geometric growth (an allocation and a prefix copy
+every 1/16 of the capacity) is device work on a GPU but CPU memory traffic here.
+
+Prints a table (us per layer step: the median and the best of --rounds, each with its ratio to the fp16 sdpa row)
+and writes OUT/results.json and OUT/table.md; --profile prints the top functions of one more round.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -26,6 +35,9 @@ from pathlib import Path
 import torch
 
 from .common import markdown_table, md_header, run_metadata, write_json
+
+DENSE = "fp16 sdpa"  # the comparison row: DynamicCache + transformers' sdpa attention
+HEADS = (32, 8, 128)  # query heads, KV heads, head_dim (Llama-3-8B's)
 
 
 @contextlib.contextmanager
@@ -52,29 +64,90 @@ def stubbed_launches():
             setattr(obj, name, value)
 
 
-def layer_step(preset: str, batch: int, context: int, heads: tuple[int, int, int] = (32, 8, 128)):
-    """A one-layer TurboQuantCache of `context` tokens (stored by the reference) and a callable decode step."""
-    from transformers import LlamaConfig
+@contextlib.contextmanager
+def stubbed_dense_ops():
+    """The fp16 sdpa row's heavy ops without their work (restored after): torch.cat (DynamicLayer.update's append)
+    returns a view of a preallocated buffer of the concatenated shape, and torch's sdpa an empty output."""
+    functional = torch.nn.functional
+    saved = (torch.cat, functional.scaled_dot_product_attention)
+    buffers: dict[tuple, torch.Tensor] = {}
 
-    import tq_hf  # noqa: F401  (registers the attention function)
-    from tq_hf.attention import turboquant_attention_forward
+    def cat_view(tensors, dim=0):
+        tensors = [t for t in tensors if t.shape != (0,)]  # torch.cat skips 1-D empties (an empty DynamicLayer's)
+        first = tensors[0]
+        dim %= first.dim()
+        length = sum(t.shape[dim] for t in tensors)
+        key = (first.dtype, first.device, tuple(first.shape[:dim]), tuple(first.shape[dim + 1:]))
+        buf = buffers.get(key)
+        if buf is None or buf.shape[dim] < length:
+            shape = list(first.shape)
+            shape[dim] = length + max(length // 4, 64)  # room for the steps to come
+            buf = buffers[key] = first.new_empty(shape)
+        return buf.narrow(dim, 0, length)
+
+    def sdpa_empty(query, key, value, *args, **kwargs):
+        return query.new_empty(*query.shape[:-1], value.shape[-1])
+
+    try:
+        torch.cat, functional.scaled_dot_product_attention = cat_view, sdpa_empty
+        yield
+    finally:
+        torch.cat, functional.scaled_dot_product_attention = saved
+
+
+def _model_config(heads: tuple[int, int, int], attention: str):
+    from transformers import LlamaConfig
 
     hq, hk, d = heads
     cfg = LlamaConfig(hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
                       num_hidden_layers=1, intermediate_size=64, vocab_size=64)
-    cfg._attn_implementation = "turboquant"
-    cache = tq_hf.TurboQuantCache(cfg, preset=preset)
-    dtype = torch.float16
-    cache.update(torch.randn(batch, hk, context, d, dtype=dtype), torch.randn(batch, hk, context, d, dtype=dtype), 0)
-    q = torch.randn(batch, hq, 1, d, dtype=dtype)
-    k, v = torch.randn(batch, hk, 1, d, dtype=dtype), torch.randn(batch, hk, 1, d, dtype=dtype)
+    cfg._attn_implementation = attention
+    return cfg
+
+
+def _attention_module(heads: tuple[int, int, int]) -> torch.nn.Module:
+    """What the attention functions read from a model's attention module."""
     module = torch.nn.Module()
     module.is_causal = True
+    module.num_key_value_groups = heads[0] // heads[1]
+    return module
+
+
+def _step_over(cache, attention, batch: int, context: int, heads: tuple[int, int, int]):
+    """Prefill `cache` (one layer) with `context` random fp16 tokens; a callable decode step of one new token:
+    cache.update, then `attention` (a transformers attention function)."""
+    hq, hk, d = heads
+    cache.update(torch.randn(batch, hk, context, d, dtype=torch.float16),
+                 torch.randn(batch, hk, context, d, dtype=torch.float16), 0)
+    q, k, v = (torch.randn(batch, h, 1, d, dtype=torch.float16) for h in (hq, hk, hk))
+    module = _attention_module(heads)
 
     def step():
         keys, values = cache.update(k, v, 0)
-        turboquant_attention_forward(module, q, keys, values, None, scaling=d**-0.5)
+        attention(module, q, keys, values, None, scaling=d**-0.5)
     return step
+
+
+def layer_step(preset: str, batch: int, context: int, heads: tuple[int, int, int] = HEADS, headroom: int = 0):
+    """A one-layer TurboQuantCache of `context` tokens (stored by the reference) and a callable decode step.
+    headroom: decode tokens to reserve pool room for now, so the timed steps never grow it."""
+    import tq_hf  # noqa: F401  (registers the attention function)
+    from tq_hf.attention import turboquant_attention_forward
+
+    cache = tq_hf.TurboQuantCache(_model_config(heads, "turboquant"), preset=preset)
+    step = _step_over(cache, turboquant_attention_forward, batch, context, heads)
+    if headroom:
+        cache.layers[0]._reserve(context + headroom)  # (a harness reaching in: no public way to reserve)
+    return step
+
+
+def dense_layer_step(batch: int, context: int, heads: tuple[int, int, int] = HEADS):
+    """The same decode step as transformers runs it with an fp16 DynamicCache and attn_implementation="sdpa"
+    (time it under stubbed_dense_ops)."""
+    from transformers import DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return _step_over(DynamicCache(config=_model_config(heads, "sdpa")), sdpa_attention_forward, batch, context, heads)
 
 
 def time_steps(step, steps: int) -> float:
@@ -97,12 +170,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="eval/results/host_overhead")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
+    load = os.getloadavg()[0]  # other work on a shared machine slows every row
     torch.set_num_threads(1)  # steadier figures; restored below
     try:
         rows = _measure(args)
     finally:
         torch.set_num_threads(threads)
-    report = {"meta": run_metadata("eval.host_overhead", argv), "rows": rows}
+    report = {"meta": run_metadata("eval.host_overhead", argv), "load_average": load, "rows": rows}
     print(write_outputs(Path(args.out), report))
     return report
 
@@ -111,32 +185,48 @@ def write_outputs(out: Path, report: dict) -> str:
     """OUT/results.json and OUT/table.md (the command at its top); returns the table."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", report)
-    table = markdown_table(["preset", "B", "context", "us per layer step (median)", "rounds"],
+    # the best round too: on a shared machine other work only adds time, so the minimum is the steadier figure
+    table = markdown_table(["preset", "B", "context", "us per layer step (median)", f"x {DENSE}", "best round",
+                            f"best x {DENSE}", "rounds"],
                            [[r["preset"], r["batch"], r["context"], f"{r['us_per_layer_step']:.1f}",
+                             f"{r['vs_dense']:.2f}", f"{r['best_us']:.1f}", f"{r['best_vs_dense']:.2f}",
                              " / ".join(f"{x:.1f}" for x in r["rounds_us"])] for r in report["rows"]])
     head = md_header("Host time of one decode layer step (Triton launches stubbed, CPU tensors)",
-                     report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread")
+                     report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread",
+                     f"load average {report['load_average']:.1f} at the start (of {os.cpu_count()} CPUs)")
     (out / "table.md").write_text(head + "\n" + table + "\n")
     return table
 
 
+WARMUP_STEPS = 20  # plans made, caches warm
+
+
 def _measure(args) -> list[dict]:
-    """One row per preset: the median over --rounds of the mean us per decode layer step."""
-    rows = []
+    """The fp16 sdpa row, then one row per preset: the median over --rounds of the mean us per decode layer step.
+    Rounds alternate between the rows, so a change of load on a shared machine hits every row alike."""
+    headroom = WARMUP_STEPS + args.steps * (args.rounds + args.profile)
+    steps = {DENSE: (dense_layer_step(args.batch, args.context), stubbed_dense_ops)}
     for preset in args.presets.split(","):
-        step = layer_step(preset, args.batch, args.context)
-        with stubbed_launches():
-            for _ in range(20):  # plans made, caches warm
-                step()
-            per_round = [time_steps(step, args.steps) for _ in range(args.rounds)]
-            if args.profile:
+        steps[preset] = (layer_step(preset, args.batch, args.context, headroom=headroom), stubbed_launches)
+    per_round: dict[str, list[float]] = {name: [] for name in steps}
+    for first in [True] + [False] * (args.rounds - 1):
+        for name, (step, stubs) in steps.items():
+            with stubs():
+                for _ in range(WARMUP_STEPS if first else 0):
+                    step()
+                per_round[name].append(time_steps(step, args.steps))
+    if args.profile:
+        for name, (step, stubs) in steps.items():
+            with stubs():
                 prof = cProfile.Profile()
                 prof.runcall(time_steps, step, args.steps)
-                print(f"== {preset}")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-        rows.append({"preset": preset, "batch": args.batch, "context": args.context, "steps": args.steps,
-                     "us_per_layer_step": statistics.median(per_round), "rounds_us": per_round})
-    return rows
+            print(f"== {name}")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    dense, dense_best = statistics.median(per_round[DENSE]), min(per_round[DENSE])
+    return [{"preset": name, "batch": args.batch, "context": args.context, "steps": args.steps,
+             "us_per_layer_step": statistics.median(rounds), "vs_dense": statistics.median(rounds) / dense,
+             "best_us": min(rounds), "best_vs_dense": min(rounds) / dense_best, "rounds_us": rounds}
+            for name, rounds in per_round.items()]
 
 
 if __name__ == "__main__":

@@ -339,11 +339,11 @@ def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeyp
     def host_args(kwargs):
         return tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, (torch.Tensor, tuple))))
 
-    def store_kv(pool, layout, key, value, slots, **kwargs):
+    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):  # held: eager decode steps' plans
         calls.append(("store", key.shape[0], host_args(kwargs)))
         reference.store(pool, layout, key, value, slots, **kwargs)
 
-    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, **kwargs):
+    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, held=None, **kwargs):
         calls.append(("attention", query.shape[2], host_args(kwargs)))
         kwargs.pop("workspace", None)  # the layer's own split scratch (made at its eager prefill)
         return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))

@@ -60,7 +60,7 @@ def turboquant_attention_forward(
                                        softcap, sinks, is_causal, **kwargs)
 
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if not causal or getattr(module, "is_cross_attention", False):
+    if not causal or _is_cross_attention(module):
         raise ValueError("TurboQuantCache supports causal self-attention only (cross-attention or non-causal "
                          "attention was requested)")
     if dropout and module.training:
@@ -88,8 +88,16 @@ def turboquant_attention_forward(
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
         **_exact_overlays(layer, window), **_decode_workspace(layer, query),
+        held=layer.launches if query.shape[2] == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return out.transpose(1, 2), None
+
+
+def _is_cross_attention(module: torch.nn.Module) -> bool:
+    """module.is_cross_attention, False when unset, without nn.Module.__getattr__'s miss (an exception, ~1 us per
+    decode step and layer: models that never cross-attend do not set it)."""
+    flag = module.__dict__.get("is_cross_attention")
+    return bool(getattr(type(module), "is_cross_attention", False) if flag is None else flag)
 
 
 def _settle_prefill(step: LayerStep, attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,

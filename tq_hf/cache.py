@@ -103,10 +103,32 @@ class TurboQuantLayer(CacheLayerMixin):
         self.decode_workspace: torch.Tensor | None = None  # fixed capacity: split scratch of decode steps
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
+        self.launches = ops.HeldLaunches()  # a decode step's kernel plans, kept while the buffers stay the same
+        self._inputs_passed = None  # the kinds of the last K/V found good (_check_inputs)
         self._drop_buffers()
         self._clear()
 
+    @property
+    def key_offset(self) -> torch.Tensor | None:
+        """[rows, H, D] float32 key_centering means per row and KV head (None: no centering)."""
+        return self._key_offset
+
+    @key_offset.setter
+    def key_offset(self, means: torch.Tensor | None) -> None:
+        # a compiled step reads the means: at a static address, CUDA graphs read them in place (not copied per step)
+        self._key_offset = means if means is None else _static(means, self.max_cache_len is not None)
+
+    @property
+    def kv_start(self) -> torch.Tensor | None:
+        """[rows] int32 first real position of each row (left padding; None: none)."""
+        return self._kv_start
+
+    @kv_start.setter
+    def kv_start(self, starts: torch.Tensor | None) -> None:
+        self._kv_start = starts if starts is None else _static(starts, self.max_cache_len is not None)
+
     def _drop_buffers(self) -> None:
+        self.launches.drop()
         self.pool: torch.Tensor | None = None
         self.rows = 0
         self.capacity = 0  # blocks per row
@@ -127,7 +149,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self._starting = True  # no update since the last reset (a host flag a compiled step can read: no length)
         self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
-        self.key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means, from the first update
+        self._key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means (key_offset)
         self._recenter_pending = False  # the means came from this forward's update: the attention may drop pads
         # key_centering means still settling: some row has fewer than `recent_window` real tokens (see settle_means)
         self._centering_open = False
@@ -200,7 +222,8 @@ class TurboQuantLayer(CacheLayerMixin):
             )
         start = self.length
         self._reserve(start + new)
-        slots = self._slots(start, new)
+        # a decode step's slots: each row's first slot, shifted by the store (a host int; no tensor op per step)
+        slots, shift = (self._row_slots, self._slot_shift(start)) if new == 1 else (self._slots(start, new), 0)
         if was_empty and self.layout.config.exact_prefix_tokens:
             shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
             self.prefix_keys = self._zeros(self.prefix_keys, shape, key_states.dtype)
@@ -227,8 +250,12 @@ class TurboQuantLayer(CacheLayerMixin):
             self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
-        ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
+        if new == 1:  # a decode step: its tokens as they are (one per row) and the layer's held plans
+            ops.store(self.pool, self.layout, key_states, value_states, slots, key_offset=self.key_offset,
+                      recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift, held=self.launches)
+        else:
+            ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
+                      key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
         self.length = start + new
         if not self._recenter_pending:  # (else the attention closes it once this forward's padding is known)
             self._close_centering()
@@ -297,7 +324,19 @@ class TurboQuantLayer(CacheLayerMixin):
         return _static(torch.zeros(shape, dtype=dtype, device=self.device), self.max_cache_len is not None)
 
     def _check_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Clear errors for inputs the store would reject deep inside (or, worse, accept silently)."""
+        """Clear errors for inputs the store would reject deep inside (or, worse, accept silently). Inputs of the
+        kinds (shapes, dtypes, devices) last found good pass at once (decode steps repeat them)."""
+        kinds = None
+        if type(key_states) is torch.Tensor and type(value_states) is torch.Tensor:
+            kinds = (key_states.shape, key_states.dtype, key_states.device, value_states.shape, value_states.dtype,
+                     value_states.device)
+            if kinds == self._inputs_passed:
+                return
+        self._check_new_inputs(key_states, value_states)
+        if self.is_initialized:  # (before the first update the heads are not known yet: nothing to remember)
+            self._inputs_passed = kinds
+
+    def _check_new_inputs(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         expected = (self.layout.num_kv_heads, self.layout.head_dim)
         for name, t in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(t, torch.Tensor):
@@ -627,6 +666,7 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _rebuild_tables(self) -> None:
         """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
+        self.launches.drop()  # (their tensors are replaced: no old pool stays referenced)
         rows = torch.arange(self.rows, device=self.device, dtype=torch.int32)
         blocks = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
         static = self.max_cache_len is not None
@@ -635,6 +675,11 @@ class TurboQuantLayer(CacheLayerMixin):
         self._row_slots = _static(rows.long() * self.layout.block_size, static)  # slot of (block 0, offset 0) of each row
         self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
+    def _slot_shift(self, position: int) -> int:
+        """What position `position` adds to each row's first slot (_row_slots): its slot is the sum."""
+        t = self.layout.block_size
+        return (position // t) * self.rows * t + position % t
+
     def _slots(self, start: int, count: int, clamp: bool = False) -> torch.Tensor:
         """Slots [rows * count] (row-major) of positions start .. start + count - 1 of every row.
 
@@ -642,8 +687,8 @@ class TurboQuantLayer(CacheLayerMixin):
         slot (for callers that mask them).
         """
         t = self.layout.block_size
-        if count == 1 and not clamp:  # decode: one add into a persistent buffer (the store reads it before the next step's add)
-            return torch.add(self._row_slots, (start // t) * self.rows * t + start % t, out=self._step_slots)
+        if count == 1 and not clamp:  # one add into a persistent buffer (the store reads it before the next such add)
+            return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
         pos = torch.arange(start, start + count, device=self.device)
         pos = pos.clamp_min(0) if clamp else pos
         return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
@@ -652,6 +697,7 @@ class TurboQuantLayer(CacheLayerMixin):
         """Rows become self[indices] (beam reorder, batch select, repeat): one gather of the used blocks."""
         if self.pool is None:
             return
+        self.launches.drop()
         indices = indices.to(self.device)
         new_rows = indices.shape[0]
         used = -(-self.length // self.layout.block_size)

@@ -40,26 +40,68 @@ def layout_index(layout: BlockLayout) -> int:
     return index
 
 
+def _kernels():
+    """tq_hf.kernels, imported on first use (Triton is needed only where the kernels run); an import statement in
+    the launch path would cost ~1.5 us per call."""
+    global _KERNELS
+    if _KERNELS is None:
+        from . import kernels
+
+        _KERNELS = kernels
+    return _KERNELS
+
+
+_KERNELS = None
+
+
+class HeldLaunches:
+    """What one caller's kernel launches keep from call to call (a cache layer's decode steps): the store's and the
+    attention's plans and lasting arguments (kernels' HeldStore and HeldAttention), reused while the next call names
+    the same tensors and settings. The reference path ignores it; drop() lets go of the tensors held."""
+
+    __slots__ = ("store", "attention")
+
+    def __init__(self):
+        self.drop()
+
+    def drop(self) -> None:
+        self.store = self.attention = None
+
+    def __deepcopy__(self, memo) -> "HeldLaunches":
+        return HeldLaunches()  # a copied cache has other tensors: nothing held applies to it (nor copies a kernel)
+
+    def __reduce__(self):
+        return HeldLaunches, ()
+
+
 def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
-          **kwargs) -> None:
-    """Quantize key/value [N, H, D] into slots [N] of pool (negative slots skipped); see reference.store."""
+          held: HeldLaunches | None = None, **kwargs) -> None:
+    """Quantize key/value [N, H, D] (or a decode step's [R, H, 1, D]) into slots [N] of pool (negative slots
+    skipped); see reference.store. held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
     if torch.compiler.is_compiling():
         recent = kwargs.get("recent") or (None, None)
+        if kwargs.get("slot_shift"):  # (compiled steps compute their slots whole; the op takes no shift)
+            slots = torch.where(slots >= 0, slots + kwargs["slot_shift"], slots)
         torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
                               kwargs.get("start", 0), kwargs.get("seq_lens"))
     elif use_kernels(pool):
-        from .kernels import store_kv
-
-        store_kv(pool, layout, key, value, slots, **kwargs)
+        kernels = _kernels()
+        if held is not None:
+            if held.store is None:
+                held.store = kernels.HeldStore()
+            kwargs["held"] = held.store
+        kernels.store_kv(pool, layout, key, value, slots, **kwargs)
     else:
         reference.store(pool, layout, key, value, slots, **kwargs)
 
 
 def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                    seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                    held: HeldLaunches | None = None, **kwargs) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the pool; see reference.paged_attention. out: a buffer of
     query's shape and dtype (any strides, last dimension contiguous) the result goes into; returned.
-    Under torch.compile the result is a new tensor (`out` is then not written): use the return value."""
+    Under torch.compile the result is a new tensor (`out` is then not written): use the return value.
+    held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
     if torch.compiler.is_compiling():
         return torch.ops.tq_hf.paged_attention(
             query, pool, layout_index(layout), block_table, seq_lens, float(scale), kwargs.get("kv_start"),
@@ -69,9 +111,12 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
             kwargs.get("workspace"),
         ).transpose(1, 2)
     if use_kernels(pool):
-        from .kernels import unified_attention
-
-        return unified_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
+        kernels = _kernels()
+        if held is not None:
+            if held.attention is None:
+                held.attention = kernels.HeldAttention()
+            kwargs["held"] = held.attention
+        return kernels.unified_attention(query, pool, layout, block_table, seq_lens, scale, out=out, **kwargs)
     kwargs.pop("workspace", None)  # the kernels' split scratch
     result = reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
     return result if out is None else out.copy_(result)

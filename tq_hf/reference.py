@@ -280,10 +280,13 @@ def store(
     recent: tuple[torch.Tensor, torch.Tensor] | None = None,
     start: int = 0,
     seq_lens: torch.Tensor | None = None,
+    slot_shift: int = 0,
 ) -> None:
-    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] of the pool.
+    """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] (+ slot_shift) of the pool; a decode
+    step's [R, H, 1, D] (one token per row) are read as [R, H, D] (token_rows).
 
-    A slot is block * block_size + offset; negative slots are skipped (padding).
+    A slot is block * block_size + offset; negative slots are skipped (padding). `slot_shift` (a host int >= 0) is
+    added to every other slot: a decode step passes each row's first slot and the shift of its position.
     `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
     [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
     cache lays out an update).
@@ -291,6 +294,7 @@ def store(
     tokens (of its L = N / R, at positions start .. start + L - 1) are copied there as they are, position p at
     slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
     """
+    key, value = token_rows(key), token_rows(value)
     if recent is not None:
         write_recent(recent, key, value, start)
     if seq_lens is not None:
@@ -300,7 +304,7 @@ def store(
     if key_offset is not None and key_offset.dim() == 3:
         key_offset = key_offset[slots >= 0]
     keep = slots >= 0
-    key, value, slots = key[keep], value[keep], slots[keep]
+    key, value, slots = key[keep], value[keep], slots[keep] + slot_shift
     block, offset = slots // layout.block_size, slots % layout.block_size
     k_codes, k_scale = quantize_keys(key, cfg, key_offset)
     v_rot = value_rotation_matrix(cfg, layout.head_dim, str(value.device))
@@ -311,6 +315,11 @@ def store(
     meta[block, :, KEY_SCALE, offset] = k_scale
     meta[block, :, VALUE_SCALE, offset] = v_scale
     meta[block, :, VALUE_MID, offset] = v_mid
+
+
+def token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R, H, 1, D] (one new token per row) as [R, H, D] (a view: the same memory and strides); else x as it is."""
+    return x.select(2, 0) if x.dim() == 4 and x.shape[2] == 1 else x
 
 
 def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,

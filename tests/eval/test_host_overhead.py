@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from eval.host_overhead import layer_step, main, stubbed_launches
+import torch
+
+from eval.host_overhead import DENSE, dense_layer_step, layer_step, main, stubbed_dense_ops, stubbed_launches
 
 
 def test_stubbed_step_takes_the_kernel_path_and_is_restored(monkeypatch):
@@ -29,8 +31,27 @@ def test_stubbed_step_takes_the_kernel_path_and_is_restored(monkeypatch):
 
 def test_report(tmp_path):
     report = main(["--presets", "4bit,k8v4", "--steps", "3", "--rounds", "2", "--context", "40", "--out", str(tmp_path)])
-    assert [r["preset"] for r in report["rows"]] == ["4bit", "k8v4"]
+    assert [r["preset"] for r in report["rows"]] == [DENSE, "4bit", "k8v4"]
     assert all(r["us_per_layer_step"] > 0 and len(r["rounds_us"]) == 2 for r in report["rows"])
+    dense = report["rows"][0]["us_per_layer_step"]
+    assert [r["vs_dense"] for r in report["rows"]] == [1.0] + [r["us_per_layer_step"] / dense for r in report["rows"][1:]]
+    best = min(report["rows"][0]["rounds_us"])
+    assert [r["best_vs_dense"] for r in report["rows"]] == [min(r["rounds_us"]) / best for r in report["rows"]]
     table = (tmp_path / "table.md").read_text()
     assert (tmp_path / "results.json").exists() and "us per layer step" in table
     assert table.splitlines()[2] == f"Command: `{report['meta']['command']}`"  # the command right under the title
+
+
+def test_dense_stubs_keep_shapes_and_are_restored():
+    """The fp16 sdpa row's stubs: torch.cat gives the concatenated shape, sdpa the output's; both restored after."""
+    saved = (torch.cat, torch.nn.functional.scaled_dot_product_attention)
+    a, b = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 1, 4)
+    with stubbed_dense_ops():
+        assert torch.cat([a, b], dim=-2).shape == (2, 3, 6, 4)
+        assert torch.cat([torch.cat([a, b], dim=2), b], dim=2).shape == (2, 3, 7, 4)
+        q, kv = torch.randn(2, 6, 1, 4), torch.randn(2, 3, 9, 4)
+        assert torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True).shape == (2, 6, 1, 4)
+        step = dense_layer_step(2, 16, heads=(6, 3, 4))
+        step()
+    assert (torch.cat, torch.nn.functional.scaled_dot_product_attention) == saved
+    assert torch.equal(torch.cat([a, b], dim=-2)[:, :, :5], a)  # the real cat again

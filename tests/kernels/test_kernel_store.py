@@ -152,6 +152,24 @@ def test_store_ring_and_lengths_rejected_when_they_do_not_fit():
         store_kv(pool, layout, k, k, s, recent=(ring[:3], ring[:3]), start=-1)
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_slot_shift_moves_every_stored_slot(slot_dtype):
+    """slot_shift (a decode step: each row's first slot plus its position's shift) lands where the summed slots do;
+    a skipped slot (-1) stays skipped. The spec is handed the summed slots, not the shift."""
+    layout = make_layout("4bit", 2, 64)
+    key, value = torch.randn(5, 2, 64, device=DEVICE), torch.randn(5, 2, 64, device=DEVICE)
+    first = torch.tensor([0, 16, 32, -1, 48], device=DEVICE, dtype=slot_dtype)  # 4 rows' first slots, one padded
+    shift = 3 * 64 + 5  # position 53 of rows laid out 4 blocks of 16 apart
+    got = layout.allocate(20, DEVICE).fill_(0xA5)
+    want = got.clone()
+    store_kv(got, layout, key, value, first, slot_shift=shift)
+    summed = torch.where(first >= 0, first.long() + shift, -1)
+    reference.store(want, layout, key, value, summed)
+    compare_pools(got, want, layout, key, summed)
+    with pytest.raises(ValueError, match="slot_shift must be an int >= 0"):
+        store_kv(got, layout, key, value, first, slot_shift=-1)
+
+
 def test_store_non_contiguous_inputs_and_int32_slots():
     layout = make_layout("4bit", 2, 64)
     n = 19

@@ -3,14 +3,15 @@
 store_kv: quantize + write new tokens (reference.store's contract and bytes).
 unified_attention: prefill, chunked prefill and decode attention over the pool
 (reference.paged_attention's contract), with a split-KV decode path.
+HeldAttention, HeldStore: one caller's repeated launch, its plan and lasting arguments kept across calls.
 DeviceTraits: the device as the launch heuristics see it (default: read from the pool's device).
 LaunchConfig, StoreLaunchConfig: overrides of the launch heuristics, for benchmarks and tests.
 """
 
-from .attention import plan_attention, unified_attention
+from .attention import HeldAttention, plan_attention, unified_attention
 from .device import DeviceTraits, device_traits
 from .launch_config import LaunchConfig, StoreLaunchConfig
-from .store import store_kv
+from .store import HeldStore, store_kv
 
-__all__ = ["DeviceTraits", "LaunchConfig", "StoreLaunchConfig", "device_traits", "plan_attention", "store_kv",
-           "unified_attention"]
+__all__ = ["DeviceTraits", "HeldAttention", "HeldStore", "LaunchConfig", "StoreLaunchConfig", "device_traits",
+           "plan_attention", "store_kv", "unified_attention"]

@@ -4,6 +4,10 @@ A call's argument kinds decide its plan (plan_attention: inputs validated, kerne
 once, then cached); each call then builds the runtime arguments and launches the plan's kernel (unified.py,
 or decode_warps.py's one-warp kernel for large plain 4-bit decode) and, in split decode, the reduction
 (reduce.py). The device's traits (device.py) and the caller's LaunchConfig overrides are part of the plan's key.
+
+A caller that repeats one call with new queries (a cache layer's decode steps) passes a HeldAttention: the plan and
+the arguments that do not change are then kept from call to call, and a call only checks that it names the same
+tensors and settings (see HeldAttention).
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from ..layout import BlockLayout
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import PlanCache, argument_key, device_of, value_key
+from .fast_launch import PlanCache, argument_key, device_of, holdable_offset, value_key
 from .launch import launch_fitting
 from .launch_config import DEFAULT as _NO_OVERRIDES, LaunchConfig
 from .plan import AttentionPlan
 from .unified_plan import plan_unified
 from .warp_plan import plan_warps, wanted as warps_wanted
+from . import workspace as _workspace
 from .workspace import split_partials
 
 _PLANS = PlanCache()
@@ -48,6 +53,7 @@ def unified_attention(
     recent_values: torch.Tensor | None = None,
     recent_from: int = 0,
     device_traits: DeviceTraits | None = None,
+    held: "HeldAttention | None" = None,
 ) -> torch.Tensor:
     """Attention of query [B, Hq, Lq, D] over the compressed pool (see reference.paged_attention).
 
@@ -66,17 +72,27 @@ def unified_attention(
     workspace: optional fp32 scratch for split partials (default: a persistent per-device one).
     launch: overrides of the launch heuristics, for benchmarks (launch_config.LaunchConfig).
     device_traits: the device as the heuristics see it (default: the pool's device, device.device_traits).
+    held: the caller's HeldAttention (with `out` given): reused when this call matches the one it holds, else
+    refilled with this call.
     Returns `out` (allocated if None) in query's dtype.
     """
+    signature = None
+    if held is not None and out is not None:
+        traits = device_traits if device_traits is not None else _traits_of(pool.device)
+        signature = (id(pool), id(layout), id(block_table), id(seq_lens), id(kv_start), id(sinks), id(key_offset),
+                     id(prefix_keys), id(prefix_values), id(recent_keys), id(recent_values), id(workspace),
+                     _split_bound(max_seq_len), scale, sliding_window, softcap, num_splits, launch, traits)
+        if held.serves(signature, query, out):
+            return held.launch(query, out, recent_from)
     plan = plan_attention(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap,
                           max_seq_len, out, num_splits, workspace, launch, key_offset, prefix_keys, prefix_values,
                           recent_keys, recent_values, device_traits)
-    if type(recent_from) is not int or recent_from < 0:
-        raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
+    _check_recent_from(recent_from)
     if out is None:
         out = torch.empty_like(query)
-    args, pout, plse = kernel_arguments(plan, query, pool, block_table, seq_lens, out, workspace, kv_start, sinks,
-                                        key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from)
+    middle, pout, plse = _lasting_arguments(plan, pool, block_table, seq_lens, workspace, kv_start, sinks, key_offset,
+                                            prefix_keys, prefix_values, recent_keys, recent_values)
+    args = _call_arguments(query, out, middle, recent_from, plan.scalars)
     with device_of(pool):
         if plan.attention is None:
             plan.attention = launch_fitting(plan.kernel, plan.grid, args, plan.constants, plan.block_n, plan.num_stages)
@@ -84,7 +100,61 @@ def unified_attention(
             plan.attention(*args)
         if plan.split:
             plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
+    if signature is not None and holdable_offset(key_offset):
+        held.hold(signature, plan, query, out, middle, (pout, plse), (pool, layout, block_table, seq_lens, kv_start,
+                                                                    sinks, key_offset, prefix_keys, prefix_values,
+                                                                    recent_keys, recent_values, workspace))
     return out
+
+
+class HeldAttention:
+    """One caller's repeated unified_attention call (a cache layer's decode steps): its plan and the runtime arguments
+    that stay, kept while each call names the same tensors (by identity) and settings, with a query and out of the
+    kinds the plan was made for (dtype, shape, strides, device, alignment).
+
+    Identity is a sound key because the held tensors are referenced here: no other tensor can take their ids while
+    they are held. It assumes what the cache's tensors obey: a tensor keeps its shape, strides and storage (the cache
+    replaces a buffer rather than resizing it in place). A call with anything else plans through unified_attention's
+    plan cache, validating what is new, and is held instead. What a held call saves: the plan key over every argument
+    and the argument tuple (docs/performance.md has the host time).
+    """
+
+    __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials", "_workspaces")
+
+    def __init__(self):
+        self._signature = None
+
+    def serves(self, signature: tuple, query: torch.Tensor, out: torch.Tensor) -> bool:
+        """Whether a call with this signature, query and out can reuse what is held."""
+        return (signature == self._signature and argument_key(query) == self._query_kind
+                and argument_key(out) == self._out_kind and _workspace.generation() == self._workspaces)
+
+    def hold(self, signature: tuple, plan: AttentionPlan, query: torch.Tensor, out: torch.Tensor, middle: tuple,
+             partials: tuple, tensors: tuple) -> None:
+        """Keep a launched call: its plan, lasting kernel arguments and split partials, and the tensors it named."""
+        self._signature, self._plan, self._middle, self._partials = signature, plan, middle, partials
+        self._query_kind, self._out_kind, self._tensors = argument_key(query), argument_key(out), tensors
+        self._workspaces = _workspace.generation()  # the split partials are views of the workspace of now
+
+    def launch(self, query: torch.Tensor, out: torch.Tensor, recent_from: int) -> torch.Tensor:
+        """The held call with a new query, out and recent_from."""
+        _check_recent_from(recent_from)
+        plan = self._plan
+        with device_of(self._tensors[0]):
+            plan.attention(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
+            if plan.split:
+                plan.reduce(*self._partials, out, *out.stride()[:3], plan.ns_all)
+        return out
+
+
+def _check_recent_from(recent_from) -> None:
+    if type(recent_from) is not int or recent_from < 0:
+        raise ValueError(f"recent_from must be an int >= 0 (the first position the ring may serve), got {recent_from!r}")
+
+
+def _split_bound(max_seq_len):
+    """max_seq_len as plans see it: a positive int rounded up to a power of two (one plan per doubling)."""
+    return next_pow2(max_seq_len) if type(max_seq_len) is int and max_seq_len > 0 else max_seq_len
 
 
 def kernel_arguments(plan: AttentionPlan, query, pool, block_table, seq_lens, out, workspace=None, kv_start=None,
@@ -92,6 +162,21 @@ def kernel_arguments(plan: AttentionPlan, query, pool, block_table, seq_lens, ou
                      recent_values=None, recent_from: int = 0) -> tuple[tuple, torch.Tensor, torch.Tensor]:
     """(the attention kernel's runtime arguments, split partial outputs, split log-sum-exps) of a planned call;
     absent tensors are replaced by device placeholders, so one signature serves every variant."""
+    middle, pout, plse = _lasting_arguments(plan, pool, block_table, seq_lens, workspace, kv_start, sinks, key_offset,
+                                            prefix_keys, prefix_values, recent_keys, recent_values)
+    return _call_arguments(query, out, middle, recent_from, plan.scalars), pout, plse
+
+
+def _call_arguments(query, out, middle: tuple, recent_from: int, scalars: tuple) -> tuple:
+    """The kernel's arguments: query and out (with their strides) and recent_from around what lasts across calls."""
+    qs, os_ = query.stride(), out.stride()
+    return (query, qs[0], qs[1], qs[2], out, os_[0], os_[1], os_[2], *middle, recent_from, *scalars)
+
+
+def _lasting_arguments(plan: AttentionPlan, pool, block_table, seq_lens, workspace, kv_start, sinks, key_offset,
+                       prefix_keys, prefix_values, recent_keys,
+                       recent_values) -> tuple[tuple, torch.Tensor, torch.Tensor]:
+    """(the kernel arguments between out's strides and recent_from, split partial outputs, split log-sum-exps)."""
     if key_offset is not None:
         key_offset = key_offset.float().contiguous()
     cent = plan.cent
@@ -102,17 +187,15 @@ def kernel_arguments(plan: AttentionPlan, query, pool, block_table, seq_lens, ou
         else:
             pout = workspace[: plan.partial_rows * plan.dp]
             plse = workspace[plan.partial_rows * plan.dp : plan.workspace_numel]
-    args = (
-        query, *query.stride()[:3], out, *out.stride()[:3],
+    middle = (
         pool, block_table, block_table.stride(0), seq_lens,
         kv_start if kv_start is not None else seq_lens,
         sinks if sinks is not None else cent,
         plan.rot, cent, key_offset if key_offset is not None else cent, plan.s_koff, plan.vrot, pout, plse,
         *_buffer_args(prefix_keys, cent), *_buffer_args(prefix_values, cent), plan.prefix_len,
-        *_buffer_args(recent_keys, cent), *_buffer_args(recent_values, cent), max(plan.recent_size, 1), recent_from,
-        *plan.scalars,
+        *_buffer_args(recent_keys, cent), *_buffer_args(recent_values, cent), max(plan.recent_size, 1),
     )
-    return args, pout, plse
+    return middle, pout, plse
 
 
 def _buffer_args(t: torch.Tensor | None, placeholder: torch.Tensor) -> tuple:
@@ -134,8 +217,7 @@ def plan_attention(query, pool, layout, block_table, seq_lens, scale, kv_start=N
     if device_traits is not None and type(device_traits) is not DeviceTraits:
         raise TypeError(f"device_traits must be a tq_hf.kernels.DeviceTraits or None, got {type(device_traits).__name__}")
     traits = device_traits if device_traits is not None else _traits_of(pool.device)
-    if type(max_seq_len) is int and max_seq_len > 0:
-        max_seq_len = next_pow2(max_seq_len)
+    max_seq_len = _split_bound(max_seq_len)
     key = (id(layout), *map(argument_key, (query, pool, block_table, seq_lens, kv_start, sinks, out, key_offset,
                                           prefix_keys, prefix_values, recent_keys, recent_values, workspace)),
            *map(value_key, (scale, sliding_window, softcap, max_seq_len, num_splits)), launch, traits)

@@ -91,6 +91,12 @@ def argument_key(t) -> tuple | type:
     return type(t)
 
 
+def holdable_offset(key_offset) -> bool:
+    """Whether a key_offset reaches the kernel as given (None, or fp32 and contiguous): only then may a held launch
+    keep it, as a converted copy would miss the caller's later in-place writes to the original."""
+    return key_offset is None or (key_offset.dtype == torch.float32 and key_offset.is_contiguous())
+
+
 def value_key(v) -> object:
     """A scalar launcher argument as a plan key: ints, floats, bools and None by value, else by identity."""
     return v if v is None or type(v) in (int, float, bool) else (type(v), id(v))

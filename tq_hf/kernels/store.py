@@ -18,10 +18,11 @@ import triton.language as tl
 
 from ..codebook import is_symmetric
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
+from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import LaunchSite, PlanCache, argument_key, device_of
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, holdable_offset
 from .launch_config import StoreLaunchConfig
 from .rotation import hadamard_dot, hadamard_input, matmul_square
 from .rounding import bf16_bits_to_f32, bf16_rne_bits, bf16_up_bits, fp8e4m3_bits
@@ -145,12 +146,21 @@ def _value_codes(x, mid, div, HALF: tl.constexpr, LEVELS: tl.constexpr):
     return tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
 
 
-# ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
-@triton.jit(do_not_specialize=["ring_start", "new_len"])
+@triton.jit
+def _token_planes(slot, ok, pool_ptr, block_bytes, head_bytes, T: tl.constexpr):
+    """Each token's plane of its head ([BLOCK_T] uint8 pointers) and its offset in the block (0 where not ok)."""
+    blk = tl.where(ok, slot // T, 0)
+    off = tl.where(ok, slot % T, 0)
+    return pool_ptr + blk * block_bytes + head_bytes, off
+
+
+# slot_shift, ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
+@triton.jit(do_not_specialize=["slot_shift", "ring_start", "new_len"])
 def _store_kernel(
     key_ptr, stride_kn, stride_kh,  # [N, H, D] fp16/bf16/fp32, last dim contiguous
     val_ptr, stride_vn, stride_vh,  # [N, H, D]
     slots_ptr,  # [N] int64, negative = skip
+    slot_shift,  # added to every slot that is not skipped (a decode step: the rows' first slots + its position's)
     pool_ptr,  # [num_blocks, H, plane_bytes] uint8
     rot_ptr,  # [D, D] fp32 key rotation R (rotated = x @ R^T)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids (ascending)
@@ -178,9 +188,6 @@ def _store_kernel(
     n = pid_n * BLOCK_T + tl.arange(0, BLOCK_T)
     slot = tl.load(slots_ptr + n, mask=n < N, other=-1)
     ok = slot >= 0
-    blk = tl.where(ok, slot // T, 0)
-    off = tl.where(ok, slot % T, 0)
-    plane = pool_ptr + blk * block_bytes + h * plane_bytes  # [BLOCK_T] uint8 pointers
     n64 = n.to(tl.int64)
     kbase = key_ptr + n64 * stride_kn + h * stride_kh
     vbase = val_ptr + n64 * stride_vn + h * stride_vh
@@ -199,6 +206,7 @@ def _store_kernel(
 
     if part == 0:
         # ---------------- keys ----------------
+        plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
             raw = tl.load(kbase[:, None] + cols[None, :], mask=rmask)
             tl.store(rk_ptr + ring_off, raw.to(rk_ptr.dtype.element_ty), mask=rmask)
@@ -252,6 +260,7 @@ def _store_kernel(
         _store_meta(plane, 0, off, T, META, kscale_bits, ok)
     else:
         # ---------------- values ----------------
+        plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
             raw = tl.load(vbase[:, None] + cols[None, :], mask=rmask)
             tl.store(rv_ptr + ring_off, raw.to(rv_ptr.dtype.element_ty), mask=rmask)
@@ -297,17 +306,31 @@ def _store_kernel(
 def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
              key_offset: torch.Tensor | None = None, launch: StoreLaunchConfig | None = None,
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-             seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None) -> None:
-    """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip).
+             seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None,
+             held: "HeldStore | None" = None, slot_shift: int = 0) -> None:
+    """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip). A decode step's
+    [R, H, 1, D] (one token per row) is read as [R, H, D], without a view per call once held.
 
-    Same contract and bytes as reference.store (key_offset: the key_centering mean, [H, D] or per
+    Same contract and bytes as reference.store (slot_shift: a host int added to every slot that is not
+    skipped; key_offset: the key_centering mean, [H, D] or per
     row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config;
     recent: the exact ring [R, H, W, D] that gets each row's last new tokens, their positions counted from
     `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
     launch: overrides of the launch heuristics, for benchmarks (launch_config.StoreLaunchConfig).
     device_traits: the device as the launch heuristics see it (default: the pool's device, device.device_traits).
+    held: the caller's HeldStore: reused when this call matches the one it holds, else refilled with this call.
     """
     ring_k, ring_v = recent if recent is not None else (None, None)
+    signature = None
+    if held is not None:
+        traits = device_traits if device_traits is not None else _traits_of(pool.device)
+        signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens), launch,
+                     traits)
+        if held.serves(signature, key, value):
+            held.launch(key, value, start, slot_shift)
+            return
+    given = key, value  # (the kinds a held call compares)
+    key, value = token_rows(key), token_rows(value)
     if launch is not None and type(launch) is not StoreLaunchConfig:
         raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
                         f"{type(launch).__name__}")
@@ -318,23 +341,65 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     if plan is None or plan.layout is not layout:
         plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, launch, ring_k, ring_v,
                                                seq_lens, traits))
-    if type(start) is not int or start < 0:
-        raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
+    _check_positions(start, slot_shift)
     if plan.site is None:  # no tokens
         return
-    if key_offset is not None:
-        key_offset = key_offset.float().contiguous()
+    koff = key_offset.float().contiguous() if key_offset is not None else plan.cent
+    lasting = (pool, plan.rot, plan.cent, plan.bnd, koff, *plan.scalars)
     with device_of(pool):
-        plan.site(
-            key, key.stride(0), key.stride(1),
-            value, value.stride(0), value.stride(1),
-            slots,
-            pool,
-            plan.rot, plan.cent, plan.bnd,
-            key_offset if key_offset is not None else plan.cent, *plan.scalars,
-            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *plan.ring_scalars,
-            start, seq_lens if seq_lens is not None else slots, start + plan.tokens_per_row,
-        )
+        plan.site(*_store_arguments(key, value, slots, slot_shift, lasting, ring_k, ring_v, plan.ring_scalars, start,
+                                    seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
+    if signature is not None and holdable_offset(key_offset):
+        held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
+
+
+def _check_positions(start, slot_shift) -> None:
+    if type(start) is not int or start < 0:
+        raise ValueError(f"start must be an int >= 0 (the position of each row's first new token), got {start!r}")
+    if type(slot_shift) is not int or slot_shift < 0:
+        raise ValueError(f"slot_shift must be an int >= 0 (added to every stored slot), got {slot_shift!r}")
+
+
+def _store_arguments(key, value, slots, slot_shift: int, lasting: tuple, ring_k, ring_v, ring_scalars: tuple,
+                     start: int, seq_lens, tokens_per_row: int) -> tuple:
+    """The store kernel's runtime arguments: the tokens (absent ring buffers: the tokens as placeholders), the
+    slots, the arguments that last across calls, the positions."""
+    return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slots, slot_shift, *lasting,
+            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *ring_scalars,
+            start, seq_lens, start + tokens_per_row)
+
+
+class HeldStore:
+    """One caller's repeated store_kv call (a cache layer's decode steps): its plan and the arguments that stay, kept
+    while each call names the same tensors (by identity; held here, so no other tensor takes their ids) and settings,
+    with key and value of the kinds the plan was made for. As attention.HeldAttention: the tensors keep their shapes,
+    strides and storage; a call with anything else plans (and validates) anew and is held instead."""
+
+    __slots__ = ("_signature", "_key_kind", "_value_kind", "_plan", "_lasting", "_tensors")
+
+    def __init__(self):
+        self._signature = None
+
+    def serves(self, signature: tuple, key: torch.Tensor, value: torch.Tensor) -> bool:
+        """Whether a call with this signature, key and value can reuse what is held."""
+        return (signature == self._signature and argument_key(key) == self._key_kind
+                and argument_key(value) == self._value_kind)
+
+    def hold(self, signature: tuple, plan: "_StorePlan", key: torch.Tensor, value: torch.Tensor, lasting: tuple,
+             tensors: tuple) -> None:
+        """Keep a launched call (a plan with tokens to store): what its next call reuses."""
+        self._signature, self._plan, self._lasting, self._tensors = signature, plan, lasting, tensors
+        self._key_kind, self._value_kind = argument_key(key), argument_key(value)
+
+    def launch(self, key: torch.Tensor, value: torch.Tensor, start: int, slot_shift: int = 0) -> None:
+        """The held call with new tokens at `start`, their slots shifted by `slot_shift`."""
+        _check_positions(start, slot_shift)
+        plan = self._plan
+        pool, _, slots, _, ring_k, ring_v, seq_lens = self._tensors
+        with device_of(pool):
+            plan.site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v,
+                                        plan.ring_scalars, start, seq_lens if seq_lens is not None else slots,
+                                        plan.tokens_per_row))
 
 
 @dataclasses.dataclass(slots=True)

@@ -8,6 +8,12 @@ from .codec_tensors import next_pow2
 
 _WORKSPACES: dict[str, torch.Tensor] = {}
 _PARTIALS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # views of the current workspaces
+_GENERATION = [0]  # counts workspace replacements: held launches (attention.HeldAttention) keep views of one
+
+
+def generation() -> int:
+    """How many times a workspace was replaced: a held launch made before the last replacement plans anew."""
+    return _GENERATION[0]
 
 
 def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -21,6 +27,7 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     if buf is None or buf.numel() < numel:
         buf = torch.empty(next_pow2(numel), dtype=torch.float32, device=device)
         _WORKSPACES[key] = buf
+        _GENERATION[0] += 1
         for k in [k for k in _PARTIALS if k[0] == key]:  # views of the replaced buffer
             del _PARTIALS[k]
     return buf
