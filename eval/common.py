@@ -456,9 +456,14 @@ def run_metadata(module: str, argv: list[str] | None) -> dict:
     """Command, versions, machine and time: what a results file needs to be reproduced."""
     argv = sys.argv[1:] if argv is None else list(argv)
     dists = ["torch", "transformers", "triton", "numpy", "datasets", "optimum-quanto", "hqq", "tq-hf", "gguf"]
+    here = Path(__file__).resolve().parent
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                                cwd=Path(__file__).resolve().parent).stdout.strip() or None
+                                cwd=here).stdout.strip() or None
+        # changed tracked files: the figures are of that commit plus uncommitted changes
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=5, cwd=here).stdout.strip()
+        commit = commit + "+uncommitted" if commit and changed else commit
     except (OSError, subprocess.SubprocessError):
         commit = None
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None

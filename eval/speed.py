@@ -24,7 +24,8 @@ what the cache holds at the end (TurboQuantCache.memory_footprint, or the stored
 tokens per row, one more generate() step; "turn 2 s" = its time to the first token (the N tokens' forward over
 the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K adds a run of generate() with
 prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
-prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's.
+prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's (batch 1 only:
+transformers' assisted decoding takes one sequence).
 
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
@@ -282,8 +283,10 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
         torch._dynamo.reset()
         turn2 = args.turn2_tokens + 1 if args.turn2_tokens else 0  # a next turn's tokens and its answer
         cache = spec.build(model.config, context + args.new_tokens + 1 + turn2)
-    # (prompt lookup builds caches of its own size: timed for the growing caches only)
-    extra = dict(turn2_tokens=args.turn2_tokens, lookup=0 if spec.name.endswith(COMPILED) else args.prompt_lookup)
+    # prompt lookup builds caches of its own size (timed for the growing caches only); transformers' assisted
+    # decoding takes one sequence
+    lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 else args.prompt_lookup
+    extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup)
     with torch.inference_mode():
         for _ in range(args.warmup):
             one_run(model, spec, prompt, args.new_tokens, args.device, cache, **extra)

@@ -122,3 +122,13 @@ def test_next_turn_and_prompt_lookup_rows(tmp_path, monkeypatch):
     # each next turn went over its run's history (32 + 5 tokens, the last not yet stored) and added 6 + 1 tokens
     assert all(before == 36 and seq == 37 and after == 37 + 6 for before, after, seq in lengths), lengths
     assert "turn 2 s" in (out / "table.md").read_text() and "lookup tokens/s" in (out / "table.md").read_text()
+
+
+def test_prompt_lookup_skipped_at_batch_above_one(tmp_path):
+    """transformers' assisted decoding takes one sequence: a batch-2 point times the rest and leaves lookup empty."""
+    out = tmp_path / "speed"
+    speed.main(["--preset-set", "tiny", "--points", "2x32", "--caches", "4bit-all", "--prompt-lookup", "3",
+                "--out", str(out), "--device", "cpu"])
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert {r["cache"] for r in rows} == {"fp16", "4bit-all"}
+    assert all(r["decode_ms_per_token"] > 0 and r.get("lookup_tokens_per_s") is None for r in rows)

@@ -96,10 +96,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if maxnreg == NO_REGISTER_CAP:
         maxnreg = None
     num_warps = _pick(launch.num_warps, 2 if narrow else 4)
-    # 4-bit values as 16-bit words (two tokens per MMA operand register): decode tiles of <= 32 rows only (64-row
-    # wgmma tiles computed wrong results), and on a GPU only where every warp gets a column tile of its own
-    # (D/4 >= 8 x warps; at head_dim 64 the words were 2.1x slower than the bytes)
-    value_words = cfg.value_bits == 4 and decode and block_m <= 32 and d // 4 >= (8 * num_warps if on_gpu else 16)
+    # 4-bit values as 16-bit words (two tokens per MMA operand register): 16-row decode tiles (64-row wgmma tiles
+    # computed wrong results; in 32-row tiles, 5-8 queries of a GQA group of 4, the words were 1.6-23x slower than
+    # the bytes), and on a GPU only where every warp gets a column tile of its own (D/4 >= 8 x warps; at head_dim
+    # 64 the words were 2.1x slower than the bytes)
+    value_words = cfg.value_bits == 4 and decode and block_m <= 16 and d // 4 >= (8 * num_warps if on_gpu else 16)
     value_words = bool(_pick(launch.value_words, value_words))
     if value_words and cfg.value_bits != 4:
         raise ValueError(f"LaunchConfig value_words=True needs 4-bit values, got {cfg.value_bits}-bit")
