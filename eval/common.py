@@ -282,6 +282,13 @@ def dense_layer_extra_bytes(config, cfg, layers: int) -> int:
     return layers * heads * (2 * FP16_BYTES * dim - cfg.token_head_bytes(dim))
 
 
+def fp8_key_layer_extra_bytes(config, cfg, layers: int) -> int:
+    """Bytes per token that `layers` layers given FP8 keys by the first prefill's check add over cfg's format."""
+    _, heads, dim = kv_geometry(config)
+    fallback = cfg.fp8_key_fallback()
+    return 0 if fallback is None else layers * heads * (fallback.token_head_bytes(dim) - cfg.token_head_bytes(dim))
+
+
 def _tq_unavailable() -> str | None:
     try:
         from tq_hf import TurboQuantCache  # noqa: F401

@@ -9,12 +9,21 @@ then `PYTHONPATH=DIR`), the figures matched Nsight Compute on the H200 (102,400 
 head_dim 128), and they found 3-bit keys at head_dim 256 needing 262,144 B (fixed).
 
     python -m eval.compile_check [--presets 4bit,k3v4] [--head-dims 128,256] [--modes decode] [--levers on]
+
+--tests PATH... compiles every kernel launch those (CPU) tests make instead: a stand-in CUDA driver for sm_90a
+makes each launch compile with the specialisations a real launch gets and run nothing, with the H200's launch
+choices. The tests' numeric checks then fail (nothing ran) and are not reported; a launch that does not compile
+is. Triton 3.6's layout pass rejected a store kernel variant this way that the interpreter and the variants
+above compiled.
+
+    python -m eval.compile_check --tests tests/kernels/test_kernel_store.py tests/kernels/test_held_launch.py
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 from contextlib import contextmanager
 
@@ -124,6 +133,99 @@ def variants(presets: list[str], head_dims: list[int], modes=("decode", "prefill
             yield f"store {tag}", real_store, *seen["store"]
 
 
+class _CompileOnlyDriver:
+    """The active Triton driver for CPU tensors: a CUDA target of `arch` on device 0, stream 0."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextmanager
+def compile_only(arch: int = 90):
+    """Within the block, a Triton launch on CPU tensors compiles for CUDA `arch` and runs nothing; launches plan
+    with the H200's traits and take Triton's own path (the direct relaunch needs a driver's launcher)."""
+    import triton
+    import triton.runtime.jit as jit
+
+    from tq_hf.kernels import fast_launch
+    from tq_hf.kernels.device import H200, assumed_traits
+
+    saved_run, saved_enabled = jit.JITFunction.run, fast_launch._ENABLED
+    saved_driver = triton.runtime.driver._active  # (None without a GPU: reset_active would look for one)
+
+    def compile_without_running(self, *args, grid, warmup, **kwargs):
+        return saved_run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    triton.runtime.driver.set_active(_CompileOnlyDriver(arch))
+    jit.JITFunction.run, fast_launch._ENABLED = compile_without_running, False
+    try:
+        with assumed_traits(torch.device("cpu"), H200):
+            yield
+    finally:
+        jit.JITFunction.run, fast_launch._ENABLED = saved_run, saved_enabled
+        triton.runtime.driver._active = saved_driver
+
+
+def compile_error(exc: BaseException) -> str | None:
+    """The compiler's complaint when `exc` (or its cause) is a failed compilation, else None."""
+    from triton.compiler.errors import CompilationError
+
+    while exc is not None:
+        if isinstance(exc, CompilationError) or "PassManager::run failed" in str(exc) or "ptxas" in str(exc):
+            return f"{type(exc).__name__}: {str(exc)[:300]}"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+class _CompileReport:
+    """pytest plugin: each test's compile failures (other failures are the numbers of launches that never ran)."""
+
+    def __init__(self, arch: int):
+        self.arch, self.failures, self.tests = arch, {}, 0
+
+    def pytest_sessionstart(self, session):
+        self._context = compile_only(self.arch)
+        self._context.__enter__()
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        self._context.__exit__(None, None, None)
+
+    def pytest_runtest_makereport(self, item, call):
+        if call.when == "call":
+            self.tests += 1
+            error = compile_error(call.excinfo.value) if call.excinfo is not None else None
+            if error:
+                self.failures[item.nodeid] = error
+
+
+def check_tests(paths: list[str], arch: int) -> int:
+    """Compile every launch of the tests at `paths`; print the failures; 1 if any."""
+    import pytest
+
+    report = _CompileReport(arch)
+    pytest.main(["-q", "--tb=no", "-rN", "-p", "no:cacheprovider", "--no-header", "-o", "addopts=", *paths],
+                plugins=[report])
+    for nodeid, error in report.failures.items():
+        print(f"FAILED TO COMPILE {nodeid}: {error}")
+    print(f"{report.tests} tests run compile-only for sm_{arch}: "
+          + (f"{len(report.failures)} with launches that do not compile" if report.failures else "every launch compiled"))
+    return 1 if report.failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.compile_check", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -133,7 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--levers", default="off,on", help="off: the plain format; on: centering, rotation, prefix, ring, window...")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200, sm_90a)")
     ap.add_argument("--limit", type=int, default=H200_SHARED_LIMIT, help="shared memory per program, bytes")
+    ap.add_argument("--tests", nargs="+", metavar="PATH", help="compile every launch these tests make instead")
     args = ap.parse_args(argv)
+    if args.tests:
+        os.environ["TRITON_INTERPRET"] = "0"  # (read when the kernels are defined: before tq_hf.kernels is imported)
+        return check_tests(args.tests, args.arch)
     import triton
 
     print(f"Triton {triton.__version__}, sm_{args.arch}, limit {args.limit} B")

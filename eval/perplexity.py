@@ -88,6 +88,7 @@ class Tally:
         self.seconds = 0.0
         self.footprint: tuple[int, int] | None = None  # (bytes, tokens) at the end of a window
         self.dense_by_check: set[int] = set()  # TurboQuantCache layers its first-prefill check kept dense
+        self.fp8_keys_by_check: set[int] = set()  # ... or gave FP8 keys (in some window)
         self.dense_extra_bytes = 0  # what those layers add per token over their compressed form
 
     def add(self, logp: torch.Tensor, targets: torch.Tensor, ref: torch.Tensor) -> None:
@@ -136,10 +137,12 @@ def evaluate(model, token_ids: torch.Tensor, specs: list[common.CacheSpec], args
             size = common.footprint(cache)
             if size is not None:
                 tally.footprint = (size, end - begin)
-            if getattr(cache, "dense_by_check", None):
+            if getattr(cache, "dense_by_check", None) or getattr(cache, "fp8_keys_by_check", None):
                 tally.dense_by_check.update(cache.dense_by_check)
-                tally.dense_extra_bytes = common.dense_layer_extra_bytes(model.config, cache.tq_config,
-                                                                         len(tally.dense_by_check))
+                tally.fp8_keys_by_check.update(cache.fp8_keys_by_check)
+                tally.dense_extra_bytes = (
+                    common.dense_layer_extra_bytes(model.config, cache.tq_config, len(tally.dense_by_check))
+                    + common.fp8_key_layer_extra_bytes(model.config, cache.tq_config, len(tally.fp8_keys_by_check)))
             del cache
             bar.update()
         if on_window is not None:
@@ -164,12 +167,21 @@ def summarize(specs, tallies: dict[str, Tally], config, first_scored_after_prefi
             "kv_bytes_per_token": spec.bytes_per_token(config) + t.dense_extra_bytes,
             "kv_vs_fp16": (spec.bytes_per_token(config) + t.dense_extra_bytes) / dense,
             "dense_by_check": sorted(t.dense_by_check),
+            "fp8_keys_by_check": sorted(t.fp8_keys_by_check),
             "seconds": round(t.seconds, 2),
         }
         if t.footprint:
             row["footprint_bytes"], row["footprint_tokens"] = t.footprint
         rows.append(row)
     return rows
+
+
+def checked_note(row: dict) -> str:
+    """What the first prefill's check did to a TurboQuantCache's layers, for the table ("" where nothing)."""
+    notes = [f"layers {row[key]} {what}" for key, what in (("dense_by_check", "kept dense"),
+                                                             ("fp8_keys_by_check", "given FP8 keys"))
+             if row.get(key)]
+    return f"; {' and '.join(notes)} by the first prefill's check" if notes else ""
 
 
 def write_outputs(out: Path, report: dict) -> None:
@@ -180,8 +192,7 @@ def write_outputs(out: Path, report: dict) -> None:
         ["cache", "PPL", "delta vs fp16", "mean KL", "top-1 agree", "KV bytes/token", "vs fp16", "what"],
         [[r["preset"], f"{r['ppl']:.3f}", f"{r['delta_pct']:+.2f}%", f"{r['kl']:.4g}", f"{r['top1']:.2%}",
           f"{r['kv_bytes_per_token']:.0f}", f"{r['kv_vs_fp16']:.3f}",
-          r["description"] + (f"; layers {r['dense_by_check']} kept dense by the first prefill's check"
-                              if r.get("dense_by_check") else "")] for r in rows],
+          r["description"] + checked_note(r)] for r in rows],
     )
     head = common.md_header(
         "Perplexity with the KV cache in the loop", report["meta"]["command"], f"model: {report['model']}",

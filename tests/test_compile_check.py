@@ -53,3 +53,44 @@ def test_four_bit_key_lookup_decodes_in_the_mma_operand_layout():
     stdout, out = _compile_check("--presets", "4bit", "--head-dims", "128", "--modes", "decode", "--levers", "off")
     line = next(line for line in stdout.splitlines() if line.startswith("attention decode 4bit"))
     assert int(line.split("shared ")[1].split(" B")[0]) <= 3 * 2 * 128 * 128, out
+
+
+BROKEN_KERNEL_TEST = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kernel(x_ptr, n):
+    i = tl.arange(0, 3)  # not a power of two: the compiler refuses it
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+def test_launches_a_kernel_that_does_not_compile():
+    x = torch.zeros(4)
+    _kernel[(1,)](x, 4)
+    assert x.sum() == 1  # a numeric check: fails as nothing ran, and is not what the report counts
+
+
+def test_numbers_only():
+    assert False
+'''
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow
+def test_compile_only_pass_over_tests(tmp_path):
+    """--tests compiles every launch the store and held-launch tests make for sm_90a (numeric failures of
+    launches that never ran are not reported), and reports a test whose launch does not compile."""
+    stdout, out = _compile_check("--tests", "tests/kernels/test_kernel_store.py", "tests/kernels/test_held_launch.py")
+    assert "every launch compiled" in stdout, out
+    broken = tmp_path / "test_broken_kernel.py"
+    broken.write_text(BROKEN_KERNEL_TEST)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "eval.compile_check", "--tests", str(broken)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 1, run.stdout + run.stderr[-2000:]
+    assert "FAILED TO COMPILE" in run.stdout and "test_launches_a_kernel_that_does_not_compile" in run.stdout
+    assert not [line for line in run.stdout.splitlines() if "FAILED TO COMPILE" in line and "test_numbers_only" in line]
+    assert "2 tests run compile-only for sm_90: 1 with launches that do not compile" in run.stdout

@@ -58,12 +58,14 @@ def test_the_measure_matches_its_definition():
     assert got > 0
 
 
-def guard_model(seed: int = 0):
-    """Tiny Qwen2 whose layer 0 has Qwen2.5's boundary-layer keys: huge biases, sharp queries."""
+def guard_model(seed: int = 0, bias: float = 40.0):
+    """Tiny Qwen2 whose layer 0 has Qwen2.5's boundary-layer keys: huge biases, sharp queries. At bias 40 even FP8
+    keys move its attention too far (the layer goes dense); at 7 they keep it within a fifth of the threshold (0.07
+    nats; 3-4-bit keys move it by 0.7 and more)."""
     model = tiny_model("qwen2", seed=seed)
     with torch.no_grad():
         attn = model.model.layers[0].self_attn
-        attn.k_proj.bias.normal_(0.0, 40.0)
+        attn.k_proj.bias.normal_(0.0, bias)
         attn.q_proj.weight.mul_(6.0)
     return model
 
@@ -118,3 +120,53 @@ def test_the_threshold_is_validated():
         TurboQuantConfig(dense_layer_kl=0)
     with pytest.raises(ValueError, match="dense_layer_kl"):
         TurboQuantConfig(dense_layer_kl="0.5")
+
+
+CODEBOOK_PRESETS = [p for p in PRESETS if PRESETS[p]["key_bits"] != 8]
+
+
+@pytest.mark.parametrize("preset", CODEBOOK_PRESETS)
+def test_a_layer_that_fp8_keys_keep_close_takes_them(preset):
+    """Layer 0 of the milder guard: its 3-4-bit keys fail the check, FP8 keys pass it. It stays compressed with
+    FP8 keys and 4-bit values, in exactly the state a k8v4 cache's layer 0 reaches on the same prompt (layer 0's
+    K/V do not depend on the cache), and the decode is as close to DynamicCache as the k8v4 preset's."""
+    model = guard_model(bias=7.0)
+    ids = torch.randint(3, model.config.vocab_size, (2, PROMPT + STEPS), generator=torch.Generator().manual_seed(5))
+    cache, k8v4 = TurboQuantCache(model.config, preset=preset), TurboQuantCache(model.config, preset="k8v4")
+    with torch.no_grad():
+        for c in (cache, k8v4):
+            model(input_ids=ids[:, :PROMPT], use_cache=True, **with_cache(c))
+    assert cache.fp8_keys_by_check == [0] and cache.dense_by_check == [] and k8v4.fp8_keys_by_check == []
+    got, want = cache.layers[0], k8v4.layers[0]
+    assert got.layout == want.layout and got.layout.config.key_bits == 8 and got.layout.config.value_bits == 4
+    used = -(-PROMPT // got.layout.block_size) * got.rows
+    assert torch.equal(got.pool[:used], want.pool[:used])
+    assert torch.equal(got.key_offset, want.key_offset) and torch.equal(got.recent_keys, want.recent_keys)
+    assert cache.layers[1].layout.config.key_bits == PRESETS[preset]["key_bits"]  # the other layers keep theirs
+    assert "1 with FP8 keys by the first prefill's check" in cache.summary()
+
+    fresh, k8v4 = TurboQuantCache(model.config, preset=preset), TurboQuantCache(model.config, preset="k8v4")
+    unchecked = TurboQuantCache(model.config, tq_config=TurboQuantConfig.from_preset(preset, dense_layer_kl=None))
+    kl, kl_k8v4, kl_unchecked = (next_token_kl(model, ids, c) for c in (fresh, k8v4, unchecked))
+    assert kl <= 1.2 * kl_k8v4 + 1e-3 and kl < kl_unchecked / 3, (kl, kl_k8v4, kl_unchecked)
+    dense = TurboQuantCache(model.config, tq_config=TurboQuantConfig.from_preset(preset, sensitive_layer_keys="dense"))
+    next_token_kl(model, ids, dense)
+    assert dense.dense_by_check == [0] and dense.fp8_keys_by_check == []
+
+
+def test_fp8_keys_by_check_at_fixed_capacity():
+    """A fixed-capacity cache's layer takes FP8 keys the same way (its new pool at a static address): the same
+    decode as the growing cache."""
+    model = guard_model(bias=7.0)
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT + STEPS), generator=torch.Generator().manual_seed(7))
+    growing = TurboQuantCache(model.config, preset="4bit")
+    fixed = TurboQuantCache(model.config, preset="4bit", max_cache_len=PROMPT + STEPS + 1)
+    assert next_token_kl(model, ids, fixed) == pytest.approx(next_token_kl(model, ids, growing), abs=1e-5)
+    assert fixed.fp8_keys_by_check == growing.fp8_keys_by_check == [0]
+
+
+def test_the_fallback_is_validated():
+    with pytest.raises(ValueError, match="sensitive_layer_keys"):
+        TurboQuantConfig(sensitive_layer_keys="int8")
+    assert TurboQuantConfig.from_preset("k8v4").fp8_key_fallback() is None
+    assert TurboQuantConfig.from_preset("3bit").fp8_key_fallback() == TurboQuantConfig.from_preset("k8v4")

@@ -26,6 +26,9 @@ from .cache import ATTENTION_NAME, STEP_ATTRIBUTE, SUPPORTED_DTYPES, LayerStep
 
 PADDING_ATTRIBUTE = "_turboquant_padding"  # attribute of a mask tensor: the 2-D padding mask [B, S] bool
 NO_PADDING = "no padding"  # that attribute when the model was called without a 2-D attention mask
+# FP8 keys serve a layer the check flags only where they keep its attention as close as ordinary layers' 3-4-bit
+# keys keep theirs (most below 0.1 nats at the default dense_layer_kl of 0.5; Qwen2.5-Coder-0.5B's first layer 0.01)
+FP8_KEYS_KL_SHARE = 0.2
 DENSE_SCORE_BUDGET = 1 << 26  # fp32 scores per chunk of the dense fallback (256 MiB)
 
 
@@ -117,13 +120,19 @@ def _settle_prefill(step: LayerStep, attention_mask: torch.Tensor | None, query:
 def _keep_dense_if_sensitive(step: LayerStep, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              scale: float, softcap: float | None) -> bool:
     """The first prefill's per-layer check (TurboQuantConfig.dense_layer_kl): a layer whose attention moves
-    too far under quantized keys keeps its K/V dense from now on. True when it did. One host read, at prefill."""
+    too far under quantized keys takes FP8 keys where they keep it close (sensitive_layer_keys), else keeps its
+    K/V dense from now on. True when it went dense. One or two host reads, at prefill."""
     layer = step.layer
-    threshold = layer.layout.config.dense_layer_kl
+    config = layer.layout.config
+    threshold = config.dense_layer_kl
     if threshold is None or step.start != 0 or torch.compiler.is_compiling():
         return False
-    kl = key_quantization_kl(query, key, layer.layout.config, scale, layer.key_offset, layer.kv_start, softcap)
-    if kl <= threshold:
+    if key_quantization_kl(query, key, config, scale, layer.key_offset, layer.kv_start, softcap) <= threshold:
+        return False
+    fallback = config.fp8_key_fallback()
+    if fallback is not None and key_quantization_kl(query, key, fallback, scale, layer.key_offset, layer.kv_start,
+                                                    softcap) <= threshold * FP8_KEYS_KL_SHARE:
+        layer.use_config(fallback, key, value)
         return False
     layer.keep_dense(key, value)
     return True

@@ -466,6 +466,20 @@ class TurboQuantLayer(CacheLayerMixin):
             raise RuntimeError("this TurboQuantLayer belongs to no TurboQuantCache")
         self.replace_with_dense(key_states, value_states)
 
+    def use_config(self, config: TurboQuantConfig, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """From now on store keys and values in `config`'s format (the attention's per-layer check, at the first
+        prefill: FP8 keys for a layer whose attention 3-4-bit keys move too far). Re-stores the history, which
+        `key_states`/`value_states` [rows, H, length, D] must be, with the layer's means; the exact prefix and
+        ring, the means and the lengths stay as they are."""
+        layout = BlockLayout(config, self.layout.num_kv_heads, self.layout.head_dim)
+        if layout.block_size != self.layout.block_size or key_states.shape[2] != self.length:
+            raise ValueError("use_config takes a format of the same block size and the layer's whole history")
+        self.launches.drop()
+        self.layout = layout
+        self.pool = _static(layout.allocate(self.capacity * self.rows, self.device), self.max_cache_len is not None)
+        ops.store(self.pool, layout, _tokens_first(key_states), _tokens_first(value_states),
+                  self._slots(0, key_states.shape[2]), key_offset=self.key_offset)
+
     def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                  window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Once this forward's mask has told where each row's padding ends (set_padding), take the
@@ -845,6 +859,12 @@ class TurboQuantCache(Cache):
         self.layers[layer_idx] = layer
         self.dense_by_check.append(layer_idx)
 
+    @property
+    def fp8_keys_by_check(self) -> list[int]:
+        """Layers the first prefill's check gave FP8 keys (TurboQuantConfig.sensitive_layer_keys)."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, TurboQuantLayer)
+                and layer.layout.config.key_bits != self.tq_config.key_bits]
+
     def nothing_compressed(self) -> str:
         """Why no layer of this cache is compressed ("" when some are)."""
         if any(isinstance(layer, TurboQuantLayer) for layer in self.layers):
@@ -920,7 +940,10 @@ class TurboQuantCache(Cache):
             return f"{self.nothing_compressed()}; {used / 2**20:.2f} MiB allocated ({ratio} of fp16)"
         layers = [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
         pool, side = sum(l.pool_bytes() for l in layers), sum(l.exact_side_bytes() for l in layers)
-        checked = f" ({len(self.dense_by_check)} kept dense by the first prefill's check)" if self.dense_by_check else ""
+        fp8 = self.fp8_keys_by_check
+        checked = [f"{len(self.dense_by_check)} kept dense"] if self.dense_by_check else []
+        checked += [f"{len(fp8)} with FP8 keys"] if fp8 else []
+        checked = f" ({' and '.join(checked)} by the first prefill's check)" if checked else ""
         return (
             f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed{checked}, "
             f"{self.get_seq_length()} tokens/row, {used / 2**20:.2f} MiB allocated vs {fp16 / 2**20:.2f} MiB fp16 "

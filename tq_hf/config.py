@@ -19,6 +19,7 @@ SLIDING_LAYER_MODES = ("auto", "exact", "compressed")
 # window up to ~2.5-3.8x the window, 10k-15k tokens here; shorter windows (Gemma 3's 512-1024,
 # gpt-oss's 128) are outgrown within a few thousand tokens and stay exact.
 SLIDING_COMPRESS_MIN_WINDOW = 4096
+SENSITIVE_LAYER_KEYS = ("fp8", "dense")  # TurboQuantConfig.sensitive_layer_keys
 PREFILL_MODES = ("exact", "compressed")
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
@@ -94,6 +95,10 @@ class TurboQuantConfig:
         above this keeps its K/V dense from then on, for the cache's lifetime. Most layers of most
         models stay below 0.1; Qwen2.5's first layer reaches 4-18 (its keys' norm is ~15x the
         others'). None: no check.
+    sensitive_layer_keys: what a layer above dense_layer_kl gets. "fp8": FP8 keys with 4-bit values (the k8v4
+        format, 2.6x fewer bytes than dense at head_dim 64) where FP8 keys keep its attention within a fifth
+        of dense_layer_kl, as close as ordinary layers' keys keep theirs (Qwen2.5-Coder-0.5B's first layer:
+        0.01 nats), else dense; "dense": dense at once. Presets with FP8 keys go dense.
     seed: seeds the rotation.
     """
 
@@ -110,6 +115,7 @@ class TurboQuantConfig:
     sliding_layers: str = "auto"
     prefill_attention: str = "exact"
     dense_layer_kl: float | None = 0.5
+    sensitive_layer_keys: str = "fp8"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -122,6 +128,7 @@ class TurboQuantConfig:
                              f"{', '.join(map(repr, BLOCK_SIZES))}, or None (chosen per head_dim)")
         _check_choice("prefill_attention", self.prefill_attention, PREFILL_MODES)
         _check_choice("sliding_layers", self.sliding_layers, SLIDING_LAYER_MODES)
+        _check_choice("sensitive_layer_keys", self.sensitive_layer_keys, SENSITIVE_LAYER_KEYS)
         for flag in ("norm_correction", "key_centering", "value_rotation"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
@@ -200,6 +207,13 @@ class TurboQuantConfig:
     def token_head_bytes(self, head_dim: int) -> int:
         """Everything one (token, KV head) costs in the cache."""
         return self.key_code_bytes(head_dim) + self.value_code_bytes(head_dim) + self.metadata_bytes
+
+    def fp8_key_fallback(self) -> "TurboQuantConfig | None":
+        """The format a layer above dense_layer_kl tries before going dense (sensitive_layer_keys): FP8 keys with
+        4-bit values and this config's levers; None when it goes dense at once."""
+        if self.sensitive_layer_keys != "fp8" or self.key_bits == 8:
+            return None
+        return dataclasses.replace(self, key_bits=8, value_bits=4)
 
     def compression_vs_fp16(self, head_dim: int) -> float:
         """Compressed bytes / fp16 bytes for keys and values of one (token, head)."""

@@ -150,3 +150,21 @@ def test_cache_lists_split_only_at_top_level_commas():
     assert [s.name for s in specs] == ["fp16", "4bit@full_precision_layers=(0, -1)", "k8v4"]
     assert "layers [0, -1] full precision" in specs[1].description
     assert "sliding-window layers exact (window-sized) below a 4096-token window" in specs[2].description
+
+
+def test_fp8_key_layer_bytes_from_first_principles():
+    """A layer the check gives FP8 keys costs per (token, KV head) 1 byte per key coordinate instead of 4 bits:
+    at head_dim 64, 64 - 32 = 32 more bytes (4-bit values and the 3 two-byte metadata fields unchanged); 3-bit
+    values also become 4-bit (the k8v4 format): + 8 more. A k8v4 cache's layers never change."""
+    from transformers import Qwen2Config
+
+    from eval import perplexity
+    from tq_hf import TurboQuantConfig
+
+    config = Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=3)
+    assert common.fp8_key_layer_extra_bytes(config, TurboQuantConfig.from_preset("4bit"), 1) == 2 * 32
+    assert common.fp8_key_layer_extra_bytes(config, TurboQuantConfig.from_preset("3bit"), 2) == 2 * 2 * (40 + 8)
+    assert common.fp8_key_layer_extra_bytes(config, TurboQuantConfig.from_preset("k8v4"), 1) == 0
+    note = perplexity.checked_note({"dense_by_check": [5], "fp8_keys_by_check": [0, 11]})
+    assert note == "; layers [5] kept dense and layers [0, 11] given FP8 keys by the first prefill's check"
+    assert perplexity.checked_note({"dense_by_check": [], "fp8_keys_by_check": []}) == ""
