@@ -81,6 +81,23 @@ class LayerStep:
     window: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class _StaticWhenFixed:
+    """A layer attribute holding a tensor or None. In a fixed-capacity layer each tensor set is marked as having a
+    static address, so CUDA graphs of a compiled step read it in place instead of copying it before every replay."""
+
+    def __init__(self, doc: str):
+        self.__doc__ = doc
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, layer, owner=None):
+        return self if layer is None else layer.__dict__.get(self.slot)
+
+    def __set__(self, layer, tensor: torch.Tensor | None) -> None:
+        layer.__dict__[self.slot] = tensor if tensor is None else _static(tensor, layer.max_cache_len is not None)
+
+
 class TurboQuantLayer(CacheLayerMixin):
     """One attention layer's compressed K/V: a uint8 pool [capacity * rows, H, plane_bytes].
 
@@ -108,24 +125,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self._drop_buffers()
         self._clear()
 
-    @property
-    def key_offset(self) -> torch.Tensor | None:
-        """[rows, H, D] float32 key_centering means per row and KV head (None: no centering)."""
-        return self._key_offset
-
-    @key_offset.setter
-    def key_offset(self, means: torch.Tensor | None) -> None:
-        # a compiled step reads the means: at a static address, CUDA graphs read them in place (not copied per step)
-        self._key_offset = means if means is None else _static(means, self.max_cache_len is not None)
-
-    @property
-    def kv_start(self) -> torch.Tensor | None:
-        """[rows] int32 first real position of each row (left padding; None: none)."""
-        return self._kv_start
-
-    @kv_start.setter
-    def kv_start(self, starts: torch.Tensor | None) -> None:
-        self._kv_start = starts if starts is None else _static(starts, self.max_cache_len is not None)
+    # tensors a compiled step reads, at static addresses in a fixed-capacity layer (_StaticWhenFixed)
+    key_offset = _StaticWhenFixed("[rows, H, D] float32 key_centering means per row and KV head (None: no centering)")
+    kv_start = _StaticWhenFixed("[rows] int32 first real position of each row (left padding; None: none)")
 
     def _drop_buffers(self) -> None:
         self.launches.drop()
@@ -147,9 +149,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self._length = 0  # tokens per row, pads included (HF's cache length); read through `length`
         self._length_on_device = False  # compiled steps advanced seq_lens only: `length` reads it back once
         self._starting = True  # no update since the last reset (a host flag a compiled step can read: no length)
-        self.kv_start: torch.Tensor | None = None  # [rows] int32 first real position; None = no padding
+        self.kv_start = None  # no padding
         self.needs_full_mask = False  # padding inside a row: attend through HF's mask instead of kv_start
-        self._key_offset: torch.Tensor | None = None  # [rows, H, D] float32 key_centering means (key_offset)
+        self.key_offset = None  # from the first update (key_centering)
         self._recenter_pending = False  # the means came from this forward's update: the attention may drop pads
         # key_centering means still settling: some row has fewer than `recent_window` real tokens (see settle_means)
         self._centering_open = False
