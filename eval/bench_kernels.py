@@ -1,11 +1,14 @@
 """Time the TurboQuant kernels next to fp16 torch SDPA (enable_gqa=True) on the same shapes.
 
 One run on a CUDA GPU: decode attention over the compressed pool (B in {1, 16}, S up to 128k,
-(Hq, Hk, D) in {(32, 8, 128), (9, 3, 64)}, presets 4bit/k8v4/k3v4/3bit), causal prefill of
-8k/16k prompts (the cache's exact mode: SDPA + store; and its compressed mode: store + attention
-over the pool), and the cost of storing one decode step's tokens.
+(Hq, Hk, D) in DECODE_SHAPES: 32/8/128, 9/3/64, 32/8/64, 8/4/256, 32/16/256; presets 4bit/k8v4/k3v4/3bit),
+causal prefill of 8k/16k prompts (the cache's exact mode: SDPA + store; and its compressed mode: store +
+attention over the pool), and the cost of storing one decode step's tokens.
 Times are medians of CUDA-graph replays (decode) or eager calls (prefill) with the L2 cache
-flushed before each; GB/s counts the compressed cache bytes the kernel must read.
+flushed before each; GB/s counts the cache bytes the kernel must read (decode_read_bytes: the pool's
+positions as the layout stores them, plus the exact prefix and ring a preset with its levers reads).
+Each decode point also gets its byte floor: those bytes (fp16 K+V for SDPA) over the bandwidth of a
+1 GiB device-to-device copy, counted as read + write (2 x bytes / time), and the measured time over it.
 
     python -m eval.bench_kernels [--quick] [--out-dir eval/results]
     python -m eval.bench_kernels --batches 1 16 --lengths 32768 --presets 4bit+defaults k8v4+defaults \
@@ -29,9 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-DECODE_SHAPES = [(32, 8, 128), (9, 3, 64)]
+DECODE_SHAPES = [(32, 8, 128), (9, 3, 64), (32, 8, 64), (8, 4, 256), (32, 16, 256)]  # (Hq, Hk, D); --quick: the first
 PRESETS = ["4bit", "k8v4", "k3v4", "3bit"]
 MAX_FP16_KV_BYTES = 40 * 2**30  # skip shapes whose fp16 K+V alone would exceed this
+EXACT_DTYPE = torch.float16  # the exact prefix and ring buffers the decode reads (exact_buffers)
+COPY_BYTES = 2**30  # the device copy whose bandwidth sets the byte floor
+COPY_CONVENTION = "device-to-device copy of 1 GiB, counted as read + write: 2 x bytes / time"
 
 
 OPTIONS_SUFFIX = "+opts"  # a preset name ending in this also turns on key_centering and value_rotation
@@ -57,12 +63,46 @@ def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda") -> dict
     hk, d = layout.num_kv_heads, layout.head_dim
     extra = {}
     if prefix:
-        pk = torch.randn(b, hk, prefix, d, device=device, dtype=torch.float16)
+        pk = torch.randn(b, hk, prefix, d, device=device, dtype=EXACT_DTYPE)
         extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
     if ring:
-        rk = torch.randn(b, hk, ring, d, device=device, dtype=torch.float16)
+        rk = torch.randn(b, hk, ring, d, device=device, dtype=EXACT_DTYPE)
         extra.update(recent_keys=rk, recent_values=torch.randn_like(rk), recent_from=0)
     return extra
+
+
+def fp16_kv_bytes(b: int, s: int, hk: int, d: int) -> int:
+    """fp16 K+V of b rows x s tokens x hk heads: what fp16 SDPA's decode reads (its byte floor's numerator)."""
+    return 2 * b * hk * s * d * torch.float16.itemsize
+
+
+def read_positions(s: int, prefix: int, ring: int) -> tuple[int, int, int]:
+    """(pool, prefix, ring) positions per row and KV head a decode at cache length s reads from each source.
+
+    As unified_attention with recent_from=0: the ring holds [max(0, s - ring), s) and wins over the prefix and
+    the pool there; the prefix holds the first `prefix` positions below that; the pool the rest."""
+    ring_lo = max(0, s - ring)
+    from_prefix = min(prefix, ring_lo)
+    return ring_lo - from_prefix, from_prefix, s - ring_lo
+
+
+def decode_read_bytes(layout, b: int, s: int, prefix: int = 0, ring: int = 0) -> int:
+    """Cache bytes one decode step over b rows of s tokens reads: each pool position at the layout's bytes per
+    (token, KV head), each exact prefix/ring position as fp16 K and V.
+
+    The floor counts only what grows with the cache: query, output, block table and per-head constants (KBs
+    against the MBs here) are left out, as fp16_kv_bytes leaves out SDPA's query and output. Pure arithmetic,
+    so it is checked on CPU."""
+    pool, from_prefix, from_ring = read_positions(s, prefix, ring)
+    pool_token = layout.plane_bytes // layout.block_size  # key codes + value codes + metadata of one (token, head)
+    exact_token = 2 * layout.head_dim * EXACT_DTYPE.itemsize  # K and V
+    return b * layout.num_kv_heads * (pool * pool_token + (from_prefix + from_ring) * exact_token)
+
+
+def floor_fields(nbytes: int, ms: float, copy_gbps: float, key_prefix: str = "") -> dict:
+    """The bytes read, their floor in ms at the copy bandwidth, and the measured time over that floor."""
+    floor = nbytes / copy_gbps / 1e6
+    return {f"{key_prefix}bytes": nbytes, f"{key_prefix}floor_ms": floor, f"{key_prefix}ratio_vs_floor": ms / floor}
 
 
 def _flush_buffer() -> torch.Tensor:
@@ -95,6 +135,17 @@ def time_ms(fn, reps: int, graph: bool, flush: torch.Tensor) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def copy_bandwidth(reps: int, flush: torch.Tensor, nbytes: int = COPY_BYTES) -> float:
+    """GB/s of a device-to-device copy of nbytes, counted as read + write (2 x nbytes): the rate a kernel that
+    only streams memory reaches, so bytes / this is a time no decode can beat."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps, False, flush)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6
+
+
 def _key_offset(layout):
     """A key_centering mean when the layout's config centres keys, else None."""
     if not layout.config.key_centering:
@@ -122,47 +173,74 @@ def _fill_pool(layout, b: int, s: int, device="cuda", key_offset=None):
     return pool, table
 
 
-def bench_decode(args, flush, results):
-    from tq_hf.kernels import unified_attention
-    from tq_hf.layout import BlockLayout
-
+def decode_grid(args) -> tuple[list[tuple[int, int, int]], list[int], list[int], list[str]]:
+    """(shapes, batches, lengths, presets) of the decode section: the options given, else the defaults (--quick:
+    the first shape, S 4k/32k, 4bit/k8v4)."""
     batches = args.batches or [1, 16]
     lengths = args.lengths or ([4096, 32768] if args.quick else [1024, 4096, 16384, 32768, 131072])
     shapes = DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES
     presets = args.presets or (["4bit", "k8v4"] if args.quick else PRESETS)
+    return shapes, batches, lengths, presets
+
+
+def decode_points(shapes, batches, lengths, skipped: list[str]):
+    """Yield (Hq, Hk, D, B, S) over the grid, leaving out (and noting in `skipped`) the points whose fp16 K+V
+    alone exceed MAX_FP16_KV_BYTES: SDPA's reference would not fit next to the compressed pool."""
     for hq, hk, d in shapes:
         for b in batches:
             for s in lengths:
-                kv_bytes = 2 * b * hk * s * d * 2
+                kv_bytes = fp16_kv_bytes(b, s, hk, d)
                 if kv_bytes > MAX_FP16_KV_BYTES:
-                    results["skipped"].append(f"decode B={b} S={s} {hq}/{hk}/{d}: fp16 K+V {kv_bytes / 2**30:.0f} GiB")
+                    skipped.append(f"decode B={b} S={s} {hq}/{hk}/{d}: fp16 K+V {kv_bytes / 2**30:.0f} GiB")
                     continue
-                q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
-                k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-                v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-                sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
-                del k, v
-                row = {"kind": "decode", "B": b, "S": s, "Hq": hq, "Hk": hk, "D": d, "sdpa_fp16_ms": sdpa,
-                       "sdpa_fp16_GBps": kv_bytes / sdpa / 1e6}
-                print(f"decode B={b:2d} S={s:6d} {hq}/{hk}/{d}: sdpa fp16 {sdpa:.4f} ms", flush=True)
-                for preset in presets:
-                    cfg = make_config(preset, args.block_size)
-                    layout = BlockLayout(cfg, hk, d)
-                    mu = _key_offset(layout)
-                    pool, table = _fill_pool(layout, b, s, key_offset=mu)
-                    seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
-                    out = torch.empty_like(q)
-                    scale = 1 / math.sqrt(d)
-                    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, cfg.recent_window)
-                    ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,
-                                                           key_offset=mu, **extra),
-                                 args.reps, True, flush)
-                    cbytes = b * hk * s * cfg.token_head_bytes(d)
-                    row[preset] = {"ms": ms, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6}
-                    print(f"    {preset:5s} {ms:.4f} ms  x{ms / sdpa:.2f} fp16  {cbytes / ms / 1e6:7.0f} GB/s", flush=True)
-                    del pool, table
-                results["decode"].append(row)
-                torch.cuda.empty_cache()
+                yield hq, hk, d, b, s
+
+
+def _time_preset(args, preset: str, q: torch.Tensor, s: int, hk: int, sdpa: float, copy_gbps: float,
+                 flush: torch.Tensor) -> dict:
+    """One decode cell: `preset`'s unified_attention over b rows of s random tokens (with the exact prefix and ring
+    its levers keep), next to fp16 SDPA's `sdpa` ms and the byte floor at `copy_gbps`."""
+    from tq_hf.kernels import unified_attention
+    from tq_hf.layout import BlockLayout
+
+    b, d = q.shape[0], q.shape[-1]
+    cfg = make_config(preset, args.block_size)
+    layout = BlockLayout(cfg, hk, d)
+    mu = _key_offset(layout)
+    pool, table = _fill_pool(layout, b, s, key_offset=mu)
+    seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(d)
+    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, cfg.recent_window)
+    ms = time_ms(lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,
+                                           key_offset=mu, **extra),
+                 args.reps, True, flush)
+    cbytes = decode_read_bytes(layout, b, s, cfg.exact_prefix_tokens, cfg.recent_window)
+    return {"ms": ms, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, **floor_fields(cbytes, ms, copy_gbps)}
+
+
+def bench_decode(args, flush, results):
+    shapes, batches, lengths, presets = decode_grid(args)
+    gbps = copy_bandwidth(max(5, args.reps // 2), flush)
+    results.update(copy_GBps=gbps, copy_convention=COPY_CONVENTION)
+    print(f"copy bandwidth {gbps:.0f} GB/s ({COPY_CONVENTION})", flush=True)
+    for hq, hk, d, b, s in decode_points(shapes, batches, lengths, results["skipped"]):
+        kv_bytes = fp16_kv_bytes(b, s, hk, d)
+        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
+        del k, v
+        row = {"kind": "decode", "B": b, "S": s, "Hq": hq, "Hk": hk, "D": d, "sdpa_fp16_ms": sdpa,
+               "sdpa_fp16_GBps": kv_bytes / sdpa / 1e6, **floor_fields(kv_bytes, sdpa, gbps, "fp16_")}
+        print(f"decode B={b:2d} S={s:6d} {hq}/{hk}/{d}: sdpa fp16 {sdpa:.4f} ms  floor "
+              f"{row['fp16_floor_ms']:.4f} ms x{row['fp16_ratio_vs_floor']:.2f}", flush=True)
+        for preset in presets:
+            cell = row[preset] = _time_preset(args, preset, q, s, hk, sdpa, gbps, flush)
+            print(f"    {preset:5s} {cell['ms']:.4f} ms  x{cell['ratio_vs_fp16']:.2f} fp16  {cell['GBps']:7.0f} GB/s  "
+                  f"floor {cell['floor_ms']:.4f} ms x{cell['ratio_vs_floor']:.2f}", flush=True)
+        results["decode"].append(row)
+        torch.cuda.empty_cache()
 
 
 def bench_prefill(args, flush, results):
@@ -310,14 +388,38 @@ def bench_tune(args, flush, results):
 
 def _block_label(results) -> str:
     size = results.get("block_size", 16)  # results without the field were measured over 16-token blocks
-    return f"{size} tokens" if size else "the layout's default size (64 tokens at head_dim 128, 16 at 64)"
+    return f"{size} tokens" if size else "the layout's default size (64 tokens at head_dim 128, 16 elsewhere)"
+
+
+def _floor_cell(ms: float, floor_ms: float, ratio: float) -> str:
+    return f"{ms:.4f} / {floor_ms:.4f} (x{ratio:.2f})"
+
+
+def floor_table(results, presets: list[str]) -> list[str]:
+    """Markdown lines of the decode rows' byte floors, fp16 SDPA's beside each preset's; none for a report
+    measured before the floor was recorded."""
+    rows = [r for r in results["decode"] if "fp16_floor_ms" in r]
+    if not rows or "copy_GBps" not in results:
+        return []
+    lines = ["", f"## Decode byte floor: bytes read / copy bandwidth {results['copy_GBps']:.0f} GB/s "
+             f"({results.get('copy_convention', COPY_CONVENTION)})", "",
+             "Cells: measured ms / floor ms (x measured over floor). Bytes: fp16 K+V for SDPA; the pool's positions "
+             "as the layout stores them plus the exact prefix and ring (fp16 K+V) for a preset.", "",
+             "| B | S | Hq/Hk/D | fp16 SDPA | " + " | ".join(presets) + " |",
+             "|---|---|---|---|" + "---|" * len(presets)]
+    for r in rows:
+        cells = [_floor_cell(r[p]["ms"], r[p]["floor_ms"], r[p]["ratio_vs_floor"])
+                 if "floor_ms" in r.get(p, {}) else "-" for p in presets]
+        fp16 = _floor_cell(r["sdpa_fp16_ms"], r["fp16_floor_ms"], r["fp16_ratio_vs_floor"])
+        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']}/{r['D']} | {fp16} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(results) -> str:
     lines = [f"# Kernel benchmark ({results['gpu']})", "", f"Command: `{results['command']}`  ",
              f"torch {results['torch']}, triton {results['triton']}, python {results['python']}, "
              f"cache blocks of {_block_label(results)}", "",
-             "## Decode (one query per sequence): ms, ratio to fp16 SDPA, GB/s of compressed bytes", ""]
+             "## Decode (one query per sequence): ms, ratio to fp16 SDPA, GB/s of the cache bytes read", ""]
     presets = list(dict.fromkeys(p for r in results["decode"] for p in r if isinstance(r[p], dict)))
     lines.append("| B | S | Hq/Hk/D | fp16 SDPA ms | " + " | ".join(presets) + " |")
     lines.append("|---|---|---|---|" + "---|" * len(presets))
@@ -325,6 +427,7 @@ def markdown(results) -> str:
         cells = [f"{r[p]['ms']:.4f} (x{r[p]['ratio_vs_fp16']:.2f}, {r[p]['GBps']:.0f} GB/s)" if p in r else "-"
                  for p in presets]
         lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']}/{r['D']} | {r['sdpa_fp16_ms']:.4f} | " + " | ".join(cells) + " |")
+    lines += floor_table(results, presets)
     lines += ["", "## Causal prefill incl. store (B=1, 32/8/128)", "",
               "exact mode (the cache's default): fp16 SDPA over the prompt's own K/V + store_kv; "
               "compressed mode: store_kv + unified_attention over the compressed cache.", "",
@@ -368,7 +471,8 @@ def decode_plot(path: Path, results) -> bool:
     return True
 
 
-def main(argv=None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; separate from main so that it is checked without a GPU."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a few shapes only (S 4k/32k, 32/8/128, 4bit/k8v4)")
     ap.add_argument("--tune", action="store_true", help="first sweep decode launch parameters (slow)")
@@ -386,7 +490,11 @@ def main(argv=None) -> None:
                     help="tokens per cache block (default: the layout's per head_dim, layout.default_block_size)")
     ap.add_argument("--tag", help="output file stem (default kernels_bench, kernels_bench_quick with --quick)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "store", "tune"], help="sections to skip")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA GPU")
     import triton

@@ -21,5 +21,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _compress_from_first_token(request, monkeypatch):
+    """Most tests exercise the compressed layer with prompts shorter than a layer's exact start
+    (TurboQuantConfig.compress_from_tokens): unless a test is marked exact_start, a growing cache whose config
+    leaves compress_from_tokens at its default compresses from the first token."""
+    if "exact_start" in request.keywords:
+        return
+    from tq_hf.cache import TurboQuantCache
+
+    exact_start = TurboQuantCache._first_layer
+
+    def first_layer(cache, layer_idx):
+        if cache.tq_config.compress_from_tokens is None:
+            return cache._compressed_layer(layer_idx)
+        return exact_start(cache, layer_idx)
+
+    monkeypatch.setattr(TurboQuantCache, "_first_layer", first_layer)
+
+
+@pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

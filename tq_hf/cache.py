@@ -46,7 +46,7 @@ from .support import ATTENTION_NAME, check_supported
 
 logger = logging.get_logger(__name__)
 STEP_ATTRIBUTE = "_turboquant_step"  # attribute of the key tensor update() returns
-GROWTH_DIVISOR = 16  # grow a pool by >= 1/16 of its capacity: <= 6.25% slack, O(16) copies per doubling
+GROWTH_DIVISOR = 64  # grow a pool by >= 1/64 of its capacity: <= 1.6% slack (4bit from 4k tokens: <= 0.30x fp16)
 MIN_GROWTH_TOKENS = 64  # ... and by at least this many tokens per row, so small caches do not copy every block
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # DynamicLayer.crop: a positive count kept that many tokens until transformers 5.18, which refuses it
@@ -57,6 +57,28 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/q
 def min_growth_blocks(block_size: int) -> int:
     """Blocks of block_size tokens a pool grows by at least (MIN_GROWTH_TOKENS, whole blocks)."""
     return -(-MIN_GROWTH_TOKENS // block_size)
+
+
+def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
+    """The least tokens per row from which a compressed layer never holds more bytes than a dense layer of the same
+    tokens in a dtype of `element_bytes` (compress_from_tokens=None): its pool (whole blocks, plus the growth slack
+    of _reserve) and its exact prefix and ring, against 2 * head_dim * element_bytes per token and KV head."""
+    cfg, t, dim = layout.config, layout.block_size, layout.head_dim
+    dense_token = 2 * dim * element_bytes
+    side = (cfg.exact_prefix_tokens + cfg.recent_window) * dense_token
+    slack = min_growth_blocks(t) - 1  # blocks past the needed ones a pool may hold (besides capacity / GROWTH_DIVISOR)
+
+    def excess(n: int) -> float:  # falls as n grows (every term's slope is below dense_token)
+        blocks = n / t + 1 + max(slack, n / (t * GROWTH_DIVISOR))
+        return blocks * layout.plane_bytes + side - n * dense_token
+
+    if layout.plane_bytes * (1 + 1 / GROWTH_DIVISOR) >= t * dense_token:
+        raise ValueError(f"a {cfg.key_bits}/{cfg.value_bits}-bit block of {t} tokens is not smaller than the same "
+                         f"tokens at {element_bytes} bytes per element: compressing never saves memory")
+    n = 0
+    while excess(n) > 0:
+        n += 1
+    return n
 
 
 class TurboQuantCacheFullError(RuntimeError):
@@ -797,6 +819,23 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+class ExactStartLayer(DynamicLayer):
+    """A compressed layer's first tokens, held exact as transformers' DynamicLayer holds them, until a forward
+    takes the rows past `compress_from` tokens (TurboQuantConfig.compress_from_tokens): the owning cache then puts
+    a TurboQuantLayer in its place, which takes the whole history as if it were one first prefill. Below that
+    length the compressed layer's pool, prefix and ring would take more bytes than these exact tokens."""
+
+    def __init__(self, compress_from: int | None):
+        super().__init__()
+        self.compress_from = compress_from  # None: from break_even_tokens at the first update (the dtype's bytes)
+
+    def takes(self, new_tokens: int, layout: BlockLayout, dtype: torch.dtype) -> bool:
+        """Whether a forward of `new_tokens` tokens stays within the exact start."""
+        if self.compress_from is None:
+            self.compress_from = break_even_tokens(layout, torch.empty((), dtype=dtype).element_size())
+        return self.get_seq_length() + new_tokens <= self.compress_from
+
+
 class TurboQuantCache(Cache):
     """A transformers Cache that stores K/V in the TurboQuant format.
 
@@ -838,21 +877,51 @@ class TurboQuantCache(Cache):
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        layout = BlockLayout(tq_config, kv_heads, head_dim)
+        self._layout = BlockLayout(tq_config, kv_heads, head_dim)
+        self._max_cache_tokens = max_cache_tokens
         full_precision = tq_config.full_precision_layer_set(num_layers)
         windows = self._exact_windows = exact_sliding_windows(text, num_layers, tq_config.sliding_layers)
         layers = [
             _exact_layer(max_cache_len, windows.get(i)) if i in windows or i in full_precision
-            else TurboQuantLayer(layout, max_cache_tokens, max_cache_len)
+            else self._first_layer(i)
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
         self.dense_by_check: list[int] = []  # layers the first prefill's check kept dense (dense_layer_kl)
-        for i, layer in enumerate(layers):
-            if isinstance(layer, TurboQuantLayer):
-                layer.replace_with_dense = functools.partial(self._keep_dense, i)
-        if not any(isinstance(layer, TurboQuantLayer) for layer in layers):
+        if not any(_compresses(layer) for layer in layers):
             logger.warning_once(f"{self.nothing_compressed()}; it saves no memory over a DynamicCache")
+
+    def _first_layer(self, layer_idx: int) -> CacheLayerMixin:
+        """What a compressed layer starts a batch as: its exact start (compress_from_tokens), or compressed."""
+        if self.fixed_capacity is None and self.tq_config.compress_from_tokens != 0:
+            return ExactStartLayer(self.tq_config.compress_from_tokens)
+        return self._compressed_layer(layer_idx)
+
+    def _compressed_layer(self, layer_idx: int) -> "TurboQuantLayer":
+        layer = TurboQuantLayer(self._layout, self._max_cache_tokens, self.fixed_capacity)
+        layer.replace_with_dense = functools.partial(self._keep_dense, layer_idx)
+        return layer
+
+    def _start_compressing(self, layer_idx: int, key_states: torch.Tensor,
+                           value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx` leaves its exact start: a TurboQuantLayer takes its place and gets the exact history
+        and the new tokens as one first update (so padding, centering means, prefix, ring and the per-layer check
+        are settled as at any first prefill, the new tokens' queries attending at the end)."""
+        start = self.layers[layer_idx]
+        if start.get_seq_length():
+            key_states = torch.cat([start.keys, key_states], dim=2)
+            value_states = torch.cat([start.values, value_states], dim=2)
+        layer = self.layers[layer_idx] = self._compressed_layer(layer_idx)
+        return layer.update(key_states, value_states, dense=not self.attends_compressed)
+
+    def reset(self) -> None:
+        """Empty every layer; compressed layers start the next batch from their exact start again."""
+        super().reset()
+        if self.fixed_capacity is not None or self.tq_config.compress_from_tokens == 0:
+            return  # (a fixed-capacity layer keeps its buffers: static addresses of compiled steps)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, TurboQuantLayer):
+                self.layers[i] = self._first_layer(i)
 
     def _keep_dense(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Layer `layer_idx` from now on: transformers' own uncompressed layer, holding key/value (its history)."""
@@ -869,7 +938,7 @@ class TurboQuantCache(Cache):
 
     def nothing_compressed(self) -> str:
         """Why no layer of this cache is compressed ("" when some are)."""
-        if any(isinstance(layer, TurboQuantLayer) for layer in self.layers):
+        if any(_compresses(layer) for layer in self.layers):
             return ""
         sliding = self._exact_windows
         windows = sorted(set(sliding.values()))
@@ -890,6 +959,8 @@ class TurboQuantCache(Cache):
             self._check_batch_size(layer_idx, key_states.shape[0])  # every layer must hold the same rows
         if isinstance(layer, TurboQuantLayer):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
+        if isinstance(layer, ExactStartLayer) and not layer.takes(key_states.shape[2], self._layout, key_states.dtype):
+            return self._start_compressing(layer_idx, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     def _check_batch_size(self, layer_idx: int, rows: int) -> None:
@@ -934,7 +1005,7 @@ class TurboQuantCache(Cache):
 
     def summary(self) -> str:
         """One line: layers, tokens, bytes allocated vs an fp16 cache of the same tokens."""
-        compressed = sum(isinstance(layer, TurboQuantLayer) for layer in self.layers)
+        compressed = sum(_compresses(layer) for layer in self.layers)
         used, fp16 = self.memory_footprint(), self.fp16_equivalent_bytes()
         ratio = f"{used / fp16:.3f}x" if fp16 else "n/a"
         cfg = self.tq_config
@@ -942,19 +1013,31 @@ class TurboQuantCache(Cache):
             return f"{self.nothing_compressed()}; {used / 2**20:.2f} MiB allocated ({ratio} of fp16)"
         layers = [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
         pool, side = sum(l.pool_bytes() for l in layers), sum(l.exact_side_bytes() for l in layers)
+        starting = [layer for layer in self.layers if isinstance(layer, ExactStartLayer)]
         fp8 = self.fp8_keys_by_check
         checked = [f"{len(self.dense_by_check)} kept dense"] if self.dense_by_check else []
         checked += [f"{len(fp8)} with FP8 keys"] if fp8 else []
         checked = f" ({' and '.join(checked)} by the first prefill's check)" if checked else ""
+        parts = [f"compressed pool {pool / 2**20:.2f} MiB + exact prefix/ring {side / 2**20:.2f} MiB "
+                 f"(a constant {cfg.exact_prefix_tokens + cfg.recent_window} tokens per row and layer)"] if layers else []
+        if starting:
+            exact = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in starting if layer.keys is not None)
+            begins = sorted({layer.compress_from for layer in starting if layer.compress_from is not None})
+            when = f", compressed from {'/'.join(map(str, begins))} tokens per row" if begins else ""
+            parts.append(f"{len(starting)} layers still exact {exact / 2**20:.2f} MiB (compress_from_tokens{when})")
         return (
             f"TurboQuantCache k{cfg.key_bits}v{cfg.value_bits}: {compressed}/{len(self.layers)} layers compressed{checked}, "
             f"{self.get_seq_length()} tokens/row, {used / 2**20:.2f} MiB allocated vs {fp16 / 2**20:.2f} MiB fp16 "
-            f"({ratio}): compressed pool {pool / 2**20:.2f} MiB + exact prefix/ring {side / 2**20:.2f} MiB "
-            f"(a constant {cfg.exact_prefix_tokens + cfg.recent_window} tokens per row and layer)"
+            f"({ratio}): {' + '.join(parts)}"
         )
 
     def __repr__(self) -> str:
         return self.summary()
+
+
+def _compresses(layer: CacheLayerMixin) -> bool:
+    """A compressed layer, or one still in its exact start."""
+    return isinstance(layer, (TurboQuantLayer, ExactStartLayer))
 
 
 def _attn_implementation(config) -> str | None:

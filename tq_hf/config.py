@@ -99,6 +99,13 @@ class TurboQuantConfig:
         format, 2.6x fewer bytes than dense at head_dim 64) where FP8 keys keep its attention within a fifth
         of dense_layer_kl, as close as ordinary layers' keys keep theirs (Qwen2.5-Coder-0.5B's first layer:
         0.01 nats), else dense; "dense": dense at once. Presets with FP8 keys go dense.
+    compress_from_tokens: a layer of a growing cache (no max_cache_len) keeps its rows' first tokens exact, as
+        an ordinary dense layer, and compresses them all once a forward takes it past this many tokens per row.
+        None (default): the least length from which the compressed layer (pool, growth slack, exact prefix and
+        ring) never holds more bytes than fp16 K/V of the same tokens (tq_hf.cache.break_even_tokens: 207
+        at head_dim 128 for 4bit), so a cache is never larger than an fp16 DynamicCache, and short
+        conversations attend exactly. 0: compress from the first token. A fixed-capacity cache always compresses
+        from the first token (its buffers are allocated once, for compiled steps).
     seed: seeds the rotation.
     """
 
@@ -116,6 +123,7 @@ class TurboQuantConfig:
     prefill_attention: str = "exact"
     dense_layer_kl: float | None = 0.5
     sensitive_layer_keys: str = "fp8"
+    compress_from_tokens: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -145,6 +153,10 @@ class TurboQuantConfig:
         kl = self.dense_layer_kl
         if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not kl > 0):
             raise ValueError(f"dense_layer_kl must be a positive number of nats or None (no check), got {kl!r}")
+        start = self.compress_from_tokens
+        if start is not None and not (type(start) is int and start >= 0):
+            raise ValueError(f"compress_from_tokens must be an int >= 0 (tokens per row) or None (from the length at "
+                             f"which compressing saves memory), got {start!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 

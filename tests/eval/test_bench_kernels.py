@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from eval.bench_kernels import decode_plot, exact_buffers, make_config, markdown
+from eval.bench_kernels import (DECODE_SHAPES, MAX_FP16_KV_BYTES, decode_grid, decode_plot, decode_points,
+                                decode_read_bytes, exact_buffers, floor_fields, fp16_kv_bytes, make_config, markdown,
+                                parse_args)
 from tq_hf.config import TurboQuantConfig
 from tq_hf.layout import BlockLayout
 
@@ -53,3 +55,71 @@ def test_decode_plot_draws_curves_only(tmp_path):
     assert (tmp_path / "lengths.png").stat().st_size > 0 and (tmp_path / "batches.png").exists()
     assert not decode_plot(tmp_path / "point.png", _results([(16, 32768)]))  # a single point is no curve
     assert not (tmp_path / "point.png").exists()
+
+
+# Bytes per (token, KV head) from the format description (config.py, layout.py), K and V together:
+# 4-bit codes D/2 bytes each for keys and values, FP8 keys one byte per coordinate, 3 bf16 metadata fields.
+BY_HAND = {("4bit", 128): 64 + 64 + 6, ("4bit", 256): 128 + 128 + 6,
+           ("k8v4", 128): 128 + 64 + 6, ("k8v4", 256): 256 + 128 + 6}
+
+
+@pytest.mark.parametrize("preset, d", list(BY_HAND))
+def test_decode_read_bytes_plain_format(preset, d):
+    layout = BlockLayout(make_config(preset), 8, d)
+    assert layout.plane_bytes / layout.block_size == BY_HAND[preset, d]
+    assert decode_read_bytes(layout, 2, 1000, 0, 0) == 2 * 1000 * 8 * BY_HAND[preset, d]
+
+
+@pytest.mark.parametrize("preset, d", list(BY_HAND))
+def test_decode_read_bytes_with_prefix_and_ring(preset, d):
+    """+defaults: 4 exact leading tokens and a 128-token ring, read as fp16 K and V instead of the pool."""
+    layout = BlockLayout(make_config(preset + "+defaults"), 4, d)
+    cfg = layout.config
+    assert (cfg.exact_prefix_tokens, cfg.recent_window) == (4, 128)
+    exact = 2 * d * 2  # fp16 K + V of one (token, head)
+    assert decode_read_bytes(layout, 3, 1024, 4, 128) == 3 * 4 * ((1024 - 4 - 128) * BY_HAND[preset, d] + 132 * exact)
+    assert decode_read_bytes(layout, 1, 100, 4, 128) == 4 * 100 * exact  # the ring covers every position
+    assert decode_read_bytes(layout, 1, 130, 4, 128) == 4 * 130 * exact  # ring 2..129, prefix 0..1, pool none
+
+
+def test_fp16_bytes_and_floor():
+    assert fp16_kv_bytes(16, 32768, 8, 128) == 2 * 16 * 32768 * 8 * 128 * 2  # 2 GiB
+    cell = floor_fields(2 * 10**9, 0.5, 4000.0, "fp16_")  # 2 GB at 4000 GB/s: 0.5 ms
+    assert cell == {"fp16_bytes": 2 * 10**9, "fp16_floor_ms": 0.5, "fp16_ratio_vs_floor": 1.0}
+    assert floor_fields(10**9, 1.0, 4000.0)["ratio_vs_floor"] == 4.0
+
+
+def test_decode_shapes_and_quick():
+    assert DECODE_SHAPES[:2] == [(32, 8, 128), (9, 3, 64)]
+    assert {(32, 8, 64), (8, 4, 256), (32, 16, 256)} <= set(DECODE_SHAPES)
+    shapes, batches, lengths, presets = decode_grid(parse_args(["--quick"]))
+    assert (shapes, batches, lengths, presets) == ([(32, 8, 128)], [1, 16], [4096, 32768], ["4bit", "k8v4"])
+    shapes, batches, lengths, presets = decode_grid(parse_args([]))
+    assert shapes == DECODE_SHAPES and lengths[-1] == 131072 and presets == ["4bit", "k8v4", "k3v4", "3bit"]
+    args = parse_args(["--batches", "4", "--lengths", "512", "--presets", "k3v4+defaults",
+                       "--skip", "prefill", "store"])
+    assert decode_grid(args)[1:] == ([4], [512], ["k3v4+defaults"]) and args.skip == ["prefill", "store"]
+
+
+def test_decode_points_skip_shapes_too_large_for_fp16():
+    skipped = []
+    points = list(decode_points(DECODE_SHAPES, [1, 16], [131072, 262144], skipped))
+    assert (32, 16, 256, 16, 131072) in points  # 32 GiB of fp16 K+V
+    assert (32, 16, 256, 16, 262144) not in points and (9, 3, 64, 16, 262144) in points
+    assert all(fp16_kv_bytes(b, s, hk, d) <= MAX_FP16_KV_BYTES for _, hk, d, b, s in points)
+    assert skipped == ["decode B=16 S=262144 32/16/256: fp16 K+V 64 GiB"]
+
+
+def test_markdown_floor_table():
+    results = _results([(1, 1024), (1, 4096)])
+    results.update(copy_GBps=4000.0, copy_convention="copy, read + write")
+    for r in results["decode"]:
+        r.update(floor_fields(10**8, r["sdpa_fp16_ms"], 4000.0, "fp16_"))
+        for p in ("4bit", "k8v4"):
+            if p in r:
+                r[p].update(floor_fields(2 * 10**7, r[p]["ms"], 4000.0))
+    md = markdown(results)
+    assert "## Decode byte floor: bytes read / copy bandwidth 4000 GB/s (copy, read + write)" in md
+    assert "| 1 | 4096 | 32/8/128 | 0.2000 / 0.0250 (x8.00) | 0.2000 / 0.0050 (x40.00) | - |" in md
+    assert "| 1 | 4096 | 32/8/128 | 0.2000 | 0.2000 (x0.50, 100 GB/s) | - |" in md  # the timing table as before
+    assert "byte floor" not in markdown(_results([(1, 1024)]))  # reports measured before the floor

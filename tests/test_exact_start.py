@@ -1,0 +1,180 @@
+"""A compressed layer's exact start (TurboQuantConfig.compress_from_tokens): below the length from which compression
+saves memory a layer holds its tokens as DynamicCache does; the forward that takes it past that length hands the
+whole history to a TurboQuantLayer as one first update."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from tests.models import tiny_model, with_cache
+from tq_hf import TurboQuantCache, TurboQuantConfig
+from tq_hf.cache import ExactStartLayer, TurboQuantLayer, break_even_tokens
+from tq_hf.layout import BlockLayout
+
+pytestmark = pytest.mark.exact_start
+
+SMALL = dict(recent_window=16, exact_prefix_tokens=2)  # a short exact start (33 tokens at head_dim 32 in float32)
+
+
+def small_config(**fields) -> TurboQuantConfig:
+    return TurboQuantConfig.from_preset("4bit", **SMALL, **fields)
+
+
+def forward(model, ids, cache, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, **with_cache(cache)).logits.float()
+
+
+def kinds(cache) -> set[str]:
+    return {type(layer).__name__ for layer in cache.layers}
+
+
+def dense_bytes(cache, element_bytes: int) -> int:
+    """K/V bytes a DynamicCache of `element_bytes` per element holds for the same tokens (independent of the cache's
+    own accounting: rows x KV heads x tokens x head_dim, from the model config)."""
+    cfg = cache._text_config
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rows = next(layer.keys.shape[0] if isinstance(layer, ExactStartLayer) else layer.rows for layer in cache.layers)
+    return 2 * element_bytes * rows * heads * cache.get_seq_length() * dim * len(cache.layers)
+
+
+def test_break_even_by_hand():
+    """4bit at head_dim 128, 64-token blocks of 134 bytes per token and head, 132 exact tokens of 512 bytes (fp16):
+    from n tokens on, (n / 64 + 1 + n / (64 * 64)) blocks of 8576 bytes plus 132 * 512 stay within n * 512."""
+    layout = BlockLayout(TurboQuantConfig.from_preset("4bit"), 8, 128)
+    n = break_even_tokens(layout, 2)
+    assert (n / 64 + 1 + n / 4096) * 8576 + 132 * 512 <= n * 512 < ((n - 1) / 64 + 1 + (n - 1) / 4096) * 8576 + 132 * 512 + 512
+    assert 190 < n < 230
+    assert break_even_tokens(layout, 4) < n  # float32 dense tokens cost twice as much: compressing pays earlier
+
+
+@pytest.mark.parametrize("dtype,element_bytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_memory_never_above_the_dense_cache(dtype, element_bytes):
+    """Token by token from 1 to 3x the exact start: the cache never allocates more K/V bytes than a DynamicCache of
+    the model's dtype; past the exact start every layer is compressed; far past it, the bytes approach the format's."""
+    model = tiny_model("llama", dtype=dtype)
+    cache = TurboQuantCache(model.config, tq_config=small_config())
+    start = break_even_tokens(BlockLayout(cache.tq_config, 2, 32), element_bytes)
+    ids = torch.randint(3, model.config.vocab_size, (2, 3 * start))
+    for t in range(ids.shape[1]):
+        forward(model, ids[:, t : t + 1], cache)
+        assert cache.memory_footprint() <= dense_bytes(cache, element_bytes), t + 1
+        assert kinds(cache) == ({"ExactStartLayer"} if t + 1 <= start else {"TurboQuantLayer"}), t + 1
+    assert cache.memory_footprint() < 0.75 * dense_bytes(cache, element_bytes)
+
+
+def test_exact_start_is_dynamic_cache():
+    """Below the exact start the logits are DynamicCache's, prefill and decode, with left padding."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, model.config.vocab_size, (2, 30))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache, dense = TurboQuantCache(model.config, tq_config=small_config()), DynamicCache()
+    for c in (cache, dense):
+        c.logits = [forward(model, ids[:, :20], c, mask[:, :20])]
+        for t in range(20, 30):
+            c.logits.append(forward(model, ids[:, t : t + 1], c, mask[:, : t + 1]))
+    assert kinds(cache) == {"ExactStartLayer"}
+    for a, b in zip(cache.logits, dense.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunks", [(20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1), (20, 30), (10, 10, 40)])
+def test_onset_equals_one_prefill(chunks):
+    """The forward that crosses the exact start (a decode step, or a chunk) leaves layer 0 (whose K/V do not depend
+    on attention) as one prefill of the same tokens into a cache that compresses from the first token. (Its K/V
+    differ by ~1e-6 between forward shapes, float32 GEMM blocking: a code on a rounding boundary may flip.)"""
+    model = tiny_model("llama")
+    config = small_config()
+    ids = torch.randint(3, model.config.vocab_size, (2, sum(chunks)))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    cache, at = TurboQuantCache(model.config, tq_config=config), 0
+    for n in chunks:
+        forward(model, ids[:, at : at + n], cache, mask[:, : at + n])
+        at += n
+    whole = TurboQuantCache(model.config, tq_config=small_config(compress_from_tokens=0))
+    forward(model, ids, whole, mask)
+    a, b = cache.layers[0], whole.layers[0]
+    assert isinstance(a, TurboQuantLayer) and isinstance(b, TurboQuantLayer)
+    assert a.length == b.length == ids.shape[1]
+    assert torch.equal(a.kv_start, b.kv_start)
+    torch.testing.assert_close(a.key_offset, b.key_offset, atol=1e-5, rtol=1e-5)
+    used = -(-a.length // a.layout.block_size) * a.rows
+    assert (a.pool[:used] != b.pool[:used]).float().mean() < 0.002
+    for name in ("prefix_keys", "prefix_values", "recent_keys", "recent_values"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-5, rtol=1e-5)
+    for x, y in zip(a.dequantized(), b.dequantized()):
+        torch.testing.assert_close(x, y, atol=0.05, rtol=0)
+
+
+def test_generate_across_the_onset_with_padding_and_beams():
+    """generate() from a short padded prompt past the exact start: greedy tokens and beams stay close to
+    DynamicCache (the compressed part as the format allows), rows keep their padding."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, model.config.vocab_size, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False, return_dict_in_generate=True,
+                  output_logits=True)
+    cache = TurboQuantCache(model.config, tq_config=small_config())
+    ours = model.generate(input_ids=ids, attention_mask=mask, **with_cache(cache), **kwargs)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert kinds(cache) == {"TurboQuantLayer"}
+    assert cache.layers[0].kv_start.tolist() == [0, 4]
+    p = torch.stack(ref.logits).float().log_softmax(-1)
+    q = torch.stack(ours.logits).float().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    assert kl[:20].max() < 1e-6  # below the exact start (12 + 20 < 33 tokens): exact
+    assert kl.mean() < 0.05
+    beams = model.generate(input_ids=ids, attention_mask=mask, num_beams=2, max_new_tokens=30, do_sample=False,
+                           **with_cache(TurboQuantCache(model.config, tq_config=small_config())))
+    assert beams.shape == (2, 42)
+
+
+def test_reset_and_summary():
+    """summary() says which layers are still exact; reset() starts every compressed layer exact again."""
+    model = tiny_model("llama")
+    cache = TurboQuantCache(model.config, tq_config=small_config())
+    forward(model, torch.randint(3, 90, (1, 10)), cache)
+    assert "3 layers still exact" in cache.summary() and "compressed from 33 tokens" in cache.summary()
+    forward(model, torch.randint(3, 90, (1, 40)), cache)
+    assert kinds(cache) == {"TurboQuantLayer"} and "still exact" not in cache.summary()
+    cache.reset()
+    assert kinds(cache) == {"ExactStartLayer"} and cache.get_seq_length() == 0
+    forward(model, torch.randint(3, 90, (3, 5)), cache)  # another batch size after reset
+    assert cache.get_seq_length() == 5
+
+
+def test_fixed_capacity_and_zero_compress_from_the_first_token():
+    model = tiny_model("llama")
+    for cache in (TurboQuantCache(model.config, tq_config=small_config(), max_cache_len=64),
+                  TurboQuantCache(model.config, tq_config=small_config(compress_from_tokens=0))):
+        forward(model, torch.randint(3, 90, (1, 5)), cache)
+        assert kinds(cache) == {"TurboQuantLayer"}
+
+
+def test_explicit_compress_from():
+    model = tiny_model("llama")
+    cache = TurboQuantCache(model.config, tq_config=small_config(compress_from_tokens=8))
+    forward(model, torch.randint(3, 90, (1, 8)), cache)
+    assert kinds(cache) == {"ExactStartLayer"}
+    forward(model, torch.randint(3, 90, (1, 1)), cache)
+    assert kinds(cache) == {"TurboQuantLayer"} and cache.get_seq_length() == 9
+    with pytest.raises(ValueError, match="compress_from_tokens must be an int >= 0"):
+        TurboQuantConfig(compress_from_tokens=-1)
+
+
+def test_check_at_the_onset_gives_fp8_keys():
+    """A layer the per-layer check flags gets FP8 keys at its onset too (the check runs on the onset forward's
+    queries against the whole history)."""
+    from tests.test_sensitivity import guard_model
+
+    model = guard_model(bias=7.0)
+    cache = TurboQuantCache(model.config, preset="4bit")
+    ids = torch.randint(3, model.config.vocab_size, (2, 320))
+    forward(model, ids[:, :100], cache)
+    assert isinstance(cache.layers[0], ExactStartLayer)
+    forward(model, ids[:, 100:], cache)
+    assert cache.fp8_keys_by_check == [0]
