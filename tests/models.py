@@ -148,12 +148,17 @@ class FakeQuantLayer(DynamicLayer):
             self.key_offset = means
         k, v = fake_quantize(keys.cpu(), values.cpu(), self.cfg, None if self.key_offset is None else self.key_offset.cpu())
         k, v = k.to(keys.device, keys.dtype), v.to(keys.device, values.dtype)
-        k = _prefix_from(k, keys, first_real, self.cfg.exact_prefix_tokens)
-        v = _prefix_from(v, values, first_real, self.cfg.exact_prefix_tokens)
+        # the prefix and ring hold the exact tokens in cfg.exact_dtype (bfloat16 for a float32 model); a forward's
+        # own tokens are attended as they are
+        held_k, held_v = (x.to(self.cfg.exact_dtype_for(x.dtype)).to(x.dtype) for x in (keys, values))
+        k = _prefix_from(k, held_k, first_real, self.cfg.exact_prefix_tokens)
+        v = _prefix_from(v, held_v, first_real, self.cfg.exact_prefix_tokens)
         forward_window = start > 0 and new > 1 and self.cfg.prefill_attention == "exact"
         lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
         if self.cfg.recent_window or forward_window:
-            k[:, :, lo:], v[:, :, lo:] = keys[:, :, lo:], values[:, :, lo:]
+            k[:, :, lo:], v[:, :, lo:] = held_k[:, :, lo:], held_v[:, :, lo:]
+        if forward_window:
+            k[:, :, start:], v[:, :, start:] = keys[:, :, start:], values[:, :, start:]
         if start == 0 and self.cfg.prefill_attention == "exact":
             return key_states, value_states
         return k, v

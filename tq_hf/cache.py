@@ -220,6 +220,7 @@ class TurboQuantLayer(CacheLayerMixin):
         ops.layout_index(self.layout)  # registered outside any compiled region (compiled steps look it up)
         self.device = key_states.device
         self.dtype = key_states.dtype
+        self.exact_dtype = self.layout.config.exact_dtype_for(key_states.dtype)  # the prefix's and ring's
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, dense: bool = False,
@@ -250,13 +251,13 @@ class TurboQuantLayer(CacheLayerMixin):
         slots, shift = (self._row_slots, self._slot_shift(start)) if new == 1 else (self._slots(start, new), 0)
         if was_empty and self.layout.config.exact_prefix_tokens:
             shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
-            self.prefix_keys = self._zeros(self.prefix_keys, shape, key_states.dtype)
-            self.prefix_values = self._zeros(self.prefix_values, shape, value_states.dtype)
+            self.prefix_keys = self._zeros(self.prefix_keys, shape, self.exact_dtype)
+            self.prefix_values = self._zeros(self.prefix_values, shape, self.exact_dtype)
             self.prefix_fill_until = self.layout.config.exact_prefix_tokens
         if was_empty and self.layout.config.recent_window:
             shape = (rows, heads, self.layout.config.recent_window, dim)
-            self.recent_keys = self._zeros(self.recent_keys, shape, key_states.dtype)
-            self.recent_values = self._zeros(self.recent_values, shape, value_states.dtype)
+            self.recent_keys = self._zeros(self.recent_keys, shape, self.exact_dtype)
+            self.recent_values = self._zeros(self.recent_values, shape, self.exact_dtype)
             self.recent_from = 0
         self._recenter_pending = False
         # (read before the store below overwrites the ring slots of the oldest positions)
@@ -590,7 +591,7 @@ class TurboQuantLayer(CacheLayerMixin):
         pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
         out = []
         for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
-            seq = x if ring is None else torch.cat([ring.index_select(2, pos[:w] % w), x.to(ring.dtype)], 2)
+            seq = x if ring is None else torch.cat([ring.index_select(2, pos[:w] % w).to(x.dtype), x], 2)
             out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
         return out[0], out[1]
 
@@ -825,15 +826,23 @@ class ExactStartLayer(DynamicLayer):
     a TurboQuantLayer in its place, which takes the whole history as if it were one first prefill. Below that
     length the compressed layer's pool, prefix and ring would take more bytes than these exact tokens."""
 
-    def __init__(self, compress_from: int | None):
+    def __init__(self, config: TurboQuantConfig):
         super().__init__()
-        self.compress_from = compress_from  # None: from break_even_tokens at the first update (the dtype's bytes)
+        self.tq_config = config
+        self.compress_from = config.compress_from_tokens  # None: from break_even_tokens at the first update
 
     def takes(self, new_tokens: int, layout: BlockLayout, dtype: torch.dtype) -> bool:
         """Whether a forward of `new_tokens` tokens stays within the exact start."""
         if self.compress_from is None:
-            self.compress_from = break_even_tokens(layout, torch.empty((), dtype=dtype).element_size())
+            self.compress_from = break_even_tokens(layout, self.tq_config.exact_dtype_for(dtype).itemsize)
         return self.get_seq_length() + new_tokens <= self.compress_from
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """DynamicLayer's update with the tokens kept in TurboQuantConfig.exact_dtype (bfloat16 for a float32
+        model): the history comes back in the model's dtype."""
+        exact = self.tq_config.exact_dtype_for(key_states.dtype)
+        keys, values = super().update(key_states.to(exact), value_states.to(exact))
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
 
 
 class TurboQuantCache(Cache):
@@ -894,7 +903,7 @@ class TurboQuantCache(Cache):
     def _first_layer(self, layer_idx: int) -> CacheLayerMixin:
         """What a compressed layer starts a batch as: its exact start (compress_from_tokens), or compressed."""
         if self.fixed_capacity is None and self.tq_config.compress_from_tokens != 0:
-            return ExactStartLayer(self.tq_config.compress_from_tokens)
+            return ExactStartLayer(self.tq_config)
         return self._compressed_layer(layer_idx)
 
     def _compressed_layer(self, layer_idx: int) -> "TurboQuantLayer":
@@ -909,8 +918,8 @@ class TurboQuantCache(Cache):
         are settled as at any first prefill, the new tokens' queries attending at the end)."""
         start = self.layers[layer_idx]
         if start.get_seq_length():
-            key_states = torch.cat([start.keys, key_states], dim=2)
-            value_states = torch.cat([start.values, value_states], dim=2)
+            key_states = torch.cat([start.keys.to(key_states.dtype), key_states], dim=2)
+            value_states = torch.cat([start.values.to(value_states.dtype), value_states], dim=2)
         layer = self.layers[layer_idx] = self._compressed_layer(layer_idx)
         return layer.update(key_states, value_states, dense=not self.attends_compressed)
 
