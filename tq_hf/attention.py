@@ -85,15 +85,17 @@ def turboquant_attention_forward(
         return out.transpose(1, 2).contiguous(), None
     # written as [B, Lq, Hq, D], the layout the model's output projection reads (no transposing copy)
     # (a fixed-capacity layer bounds the walk by its capacity: one kernel plan for every step, no length read)
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    out = ops.paged_attention(
-        query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=out.transpose(1, 2),
+    b, hq, lq, d = query.shape
+    out = query.new_empty(b, lq, hq, d)
+    view = out.transpose(1, 2)
+    result = ops.paged_attention(
+        query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=view,
         kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
         **_exact_overlays(layer, window), **_decode_workspace(layer, query),
-        held=layer.launches if query.shape[2] == 1 else None,  # a decode step: the layer's plans, held across steps
+        held=layer.launches if lq == 1 else None,  # a decode step: the layer's plans, held across steps
     )
-    return out.transpose(1, 2), None
+    return (out if result is view else result.transpose(1, 2)), None  # (traced: the op's new tensor)
 
 
 def _is_cross_attention(module: torch.nn.Module) -> bool:
@@ -164,14 +166,17 @@ def _decode_workspace(layer, query: torch.Tensor) -> dict:
 def _check_query(query: torch.Tensor, layer) -> None:
     """Clear errors before the kernel sees a query that cannot go with this layer's pool."""
     rows, kv_heads, head_dim = layer.rows, layer.layout.num_kv_heads, layer.layout.head_dim
-    if query.dim() != 4 or query.shape[0] != rows or query.shape[3] != head_dim or query.shape[1] % kv_heads:
+    shape = query.shape
+    if len(shape) != 4 or shape[0] != rows or shape[3] != head_dim or shape[1] % kv_heads:
         raise ValueError(
             f"query must be [batch {rows}, a multiple of {kv_heads} query heads, tokens, head_dim {head_dim}] "
             f"to attend over this TurboQuantCache layer, got {list(query.shape)}"
         )
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"query has dtype {query.dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
-    if query.device != layer.pool.device:
+    pool = layer.pool  # (CUDA devices compared by index: a torch.device per step costs ~0.5 us)
+    same = query.get_device() == pool.get_device() if query.is_cuda and pool.is_cuda else query.device == pool.device
+    if not same:
         raise ValueError(f"query is on {query.device} but the TurboQuantCache layer is on {layer.pool.device}")
 
 

@@ -97,7 +97,7 @@ class LayerStep:
     layer: "TurboQuantLayer"
     exact: bool
     refresh_padding: bool
-    start: int  # position of the first new token
+    start: int  # position of the first new token (-1: a one-token step, whose attention never reads it)
     # a forward of several tokens over a non-empty history: the exact ring's positions before `start` and the
     # forward's own K/V, as one ring of W + new slots (position p at slot p % (W + new)); see forward_window
     window: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -143,6 +143,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
         self.launches = ops.HeldLaunches()  # a decode step's kernel plans, kept while the buffers stay the same
+        self._decode_step = LayerStep(self, False, False, -1)  # what a settled one-token step hands the attention
         self._inputs_passed = None  # the kinds of the last K/V found good (_check_inputs)
         self._drop_buffers()
         self._clear()
@@ -234,6 +235,8 @@ class TurboQuantLayer(CacheLayerMixin):
             return self._traced_update(key_states, value_states, dense)
         self._starting = False
         self._check_inputs(key_states, value_states)
+        if key_states.shape[2] == 1 and not dense and self._settled(key_states.shape[0]):
+            return self._steady_decode(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         rows, heads, new, dim = key_states.shape
@@ -247,8 +250,7 @@ class TurboQuantLayer(CacheLayerMixin):
             )
         start = self.length
         self._reserve(start + new)
-        # a decode step's slots: each row's first slot, shifted by the store (a host int; no tensor op per step)
-        slots, shift = (self._row_slots, self._slot_shift(start)) if new == 1 else (self._slots(start, new), 0)
+        slots = None if new == 1 else self._slots(start, new)  # (a one-token step's: _store_step)
         if was_empty and self.layout.config.exact_prefix_tokens:
             shape = (rows, heads, self.layout.config.exact_prefix_tokens, dim)
             self.prefix_keys = self._zeros(self.prefix_keys, shape, self.exact_dtype)
@@ -275,9 +277,8 @@ class TurboQuantLayer(CacheLayerMixin):
             self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
-        if new == 1:  # a decode step: its tokens as they are (one per row) and the layer's held plans
-            ops.store(self.pool, self.layout, key_states, value_states, slots, key_offset=self.key_offset,
-                      recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift, held=self.launches)
+        if new == 1:
+            self._store_step(key_states, value_states, start)
         else:
             ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                       key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
@@ -298,6 +299,32 @@ class TurboQuantLayer(CacheLayerMixin):
         setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start,
                                                       window if new > 1 else None))
         return key_states, value_states
+
+    def _settled(self, rows: int) -> bool:
+        """Whether a one-token step of `rows` rows only stores and attends: the layer holds these rows, and their
+        centering means, exact prefix and padding are settled (host flags only; no device read)."""
+        return (self.pool is not None and rows == self.rows and self._length > 0 and not self._length_on_device
+                and not self._centering_open and not self._prefix_open
+                and (self.key_offset is not None or not self.layout.config.key_centering))
+
+    def _steady_decode(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() of a settled layer's one-token step (most of generate()'s steps): the store, and the layer's one
+        decode LayerStep."""
+        start = self._length
+        self._reserve(start + 1)
+        self._store_step(key_states, value_states, start)
+        self._length = start + 1
+        setattr(key_states, STEP_ATTRIBUTE, self._decode_step)
+        return key_states, value_states
+
+    def _store_step(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """A one-token step's store: its tokens as they are (one per row) at each row's first slot shifted to
+        `start` (a host int; no tensor op per step), the ring and the lengths in the same launch, the layer's held
+        plans."""
+        recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
+        ops.store(self.pool, self.layout, key_states, value_states, self._row_slots, key_offset=self.key_offset,
+                  recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=self._slot_shift(start),
+                  held=self.launches)
 
     def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                        dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
