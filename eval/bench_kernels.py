@@ -428,11 +428,12 @@ def markdown(results) -> str:
                  for p in presets]
         lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']}/{r['D']} | {r['sdpa_fp16_ms']:.4f} | " + " | ".join(cells) + " |")
     lines += floor_table(results, presets)
-    lines += ["", "## Causal prefill incl. store (B=1, 32/8/128)", "",
-              "exact mode (the cache's default): fp16 SDPA over the prompt's own K/V + store_kv; "
-              "compressed mode: store_kv + unified_attention over the compressed cache.", "",
-              "| S | fp16 SDPA ms | preset | mode | store ms | attention ms | total ms | total / fp16 |",
-              "|---|---|---|---|---|---|---|---|"]
+    if results["prefill"]:  # (sections a run skipped are left out)
+        lines += ["", "## Causal prefill incl. store (B=1, 32/8/128)", "",
+                  "exact mode (the cache's default): fp16 SDPA over the prompt's own K/V + store_kv; "
+                  "compressed mode: store_kv + unified_attention over the compressed cache.", "",
+                  "| S | fp16 SDPA ms | preset | mode | store ms | attention ms | total ms | total / fp16 |",
+                  "|---|---|---|---|---|---|---|---|"]
     for r in results["prefill"]:
         for p in PRESETS:
             if p in r:
@@ -441,7 +442,8 @@ def markdown(results) -> str:
                              f"{x['store_ms']:.3f} | (SDPA) | {x['exact_ms']:.3f} | x{x['exact_ratio_vs_fp16']:.2f} |")
                 lines.append(f"| {r['S']} | {r['sdpa_fp16_ms']:.3f} | {p} | prefill, compressed mode | {x['store_ms']:.3f} | "
                              f"{x['attention_ms']:.3f} | {x['total_ms']:.3f} | x{x['ratio_vs_fp16']:.2f} |")
-    lines += ["", "## Store of one decode step (B=16, S=32k, 32/8/128)", ""]
+    if results["store_step"]:
+        lines += ["", "## Store of one decode step (B=16, S=32k, 32/8/128)", ""]
     for r in results["store_step"]:
         lines.append(f"- {r['preset']}: store {r['store_ms'] * 1000:.1f} us, decode attention {r['decode_ms'] * 1000:.1f} us "
                      f"({100 * r['store_fraction']:.1f}%)")

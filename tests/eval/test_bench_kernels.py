@@ -47,6 +47,10 @@ def test_markdown_starts_with_the_command_and_marks_cells_not_timed():
     md = markdown(_results([(1, 1024), (1, 4096)]))
     assert md.splitlines()[2].startswith("Command: `python -m eval.bench_kernels --x`")
     assert "| 1 | 4096 | 32/8/128 | 0.2000 | 0.2000 (x0.50, 100 GB/s) | - |" in md
+    assert "Causal prefill" not in md and "Store of one decode step" not in md  # sections not run: left out
+    ran = _results([(1, 1024)])
+    ran["store_step"] = [{"preset": "4bit", "store_ms": 0.008, "decode_ms": 0.2, "store_fraction": 0.04}]
+    assert "## Store of one decode step" in markdown(ran) and "- 4bit: store 8.0 us" in markdown(ran)
 
 
 def test_decode_plot_draws_curves_only(tmp_path):
