@@ -276,10 +276,10 @@ class TurboQuantLayer(CacheLayerMixin):
             self.key_offset = _key_mean(key_states)  # per row and KV head, over the first update's tokens
             self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
-        recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         if new == 1:
             self._store_step(key_states, value_states, start)
         else:
+            recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
             ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
                       key_offset=self.key_offset, recent=recent, start=start, seq_lens=self.seq_lens)
         self.length = start + new
@@ -865,8 +865,8 @@ class ExactStartLayer(DynamicLayer):
         return self.get_seq_length() + new_tokens <= self.compress_from
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """DynamicLayer's update with the tokens kept in TurboQuantConfig.exact_dtype (bfloat16 for a float32
-        model): the history comes back in the model's dtype."""
+        """DynamicLayer's update with the tokens kept in TurboQuantConfig.exact_dtype (the model's, or with "16bit"
+        bfloat16 for a float32 model): the history comes back in the model's dtype."""
         exact = self.tq_config.exact_dtype_for(key_states.dtype)
         keys, values = super().update(key_states.to(exact), value_states.to(exact))
         return keys.to(key_states.dtype), values.to(value_states.dtype)

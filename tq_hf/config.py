@@ -105,9 +105,9 @@ class TurboQuantConfig:
     compress_from_tokens: a layer of a growing cache (no max_cache_len) keeps its rows' first tokens exact, as
         an ordinary dense layer, and compresses them all once a forward takes it past this many tokens per row.
         None (default): the least length from which the compressed layer (pool, growth slack, exact prefix and
-        ring) never holds more bytes than fp16 K/V of the same tokens (tq_hf.cache.break_even_tokens: 207
-        at head_dim 128 for 4bit), so a cache is never larger than an fp16 DynamicCache, and short
-        conversations attend exactly. 0: compress from the first token. A fixed-capacity cache always compresses
+        ring) never holds more bytes than the same tokens dense in exact_dtype (tq_hf.cache.break_even_tokens:
+        207 at head_dim 128 for 4bit in fp16), so a cache is never larger than a DynamicCache of that dtype, and
+        short conversations attend exactly. 0: compress from the first token. A fixed-capacity cache always compresses
         from the first token (its buffers are allocated once, for compiled steps).
     exact_dtype: the dtype of the tokens kept exact (the exact start, prefix and ring). "model" (default): the
         model's. "16bit": the model's when it is 16-bit, else bfloat16, so a float32 model's exact tokens cost what
