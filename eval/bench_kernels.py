@@ -178,7 +178,7 @@ def decode_grid(args) -> tuple[list[tuple[int, int, int]], list[int], list[int],
     the first shape, S 4k/32k, 4bit/k8v4)."""
     batches = args.batches or [1, 16]
     lengths = args.lengths or ([4096, 32768] if args.quick else [1024, 4096, 16384, 32768, 131072])
-    shapes = DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES
+    shapes = args.shapes or (DECODE_SHAPES[:1] if args.quick else DECODE_SHAPES)
     presets = args.presets or (["4bit", "k8v4"] if args.quick else PRESETS)
     return shapes, batches, lengths, presets
 
@@ -473,6 +473,17 @@ def decode_plot(path: Path, results) -> bool:
     return True
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """"Hq/Hk/D" -> (Hq, Hk, D), with Hq a multiple of Hk."""
+    try:
+        hq, hk, d = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a head shape is query heads/KV heads/head_dim, e.g. 32/8/128; got {text!r}")
+    if min(hq, hk, d) < 1 or hq % hk:
+        raise argparse.ArgumentTypeError(f"query heads must be a positive multiple of KV heads; got {text!r}")
+    return hq, hk, d
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; separate from main so that it is checked without a GPU."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -480,6 +491,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tune", action="store_true", help="first sweep decode launch parameters (slow)")
     ap.add_argument("--reps", type=int, default=40, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--out-dir", default="eval/results", help="where kernels_bench.json / .md are written")
+    ap.add_argument("--shapes", type=parse_shape, nargs="*",
+                    help="decode head shapes as query heads/KV heads/head_dim, e.g. 8/4/256 (default: DECODE_SHAPES)")
     ap.add_argument("--batches", type=int, nargs="*", help="decode batch sizes (default 1 16)")
     ap.add_argument("--lengths", type=int, nargs="*", help="decode cache lengths")
     ap.add_argument("--presets", nargs="*", help=f"decode presets (the plain format); suffix {OPTIONS_SUFFIX} adds key_centering + "

@@ -103,6 +103,10 @@ def test_decode_shapes_and_quick():
     args = parse_args(["--batches", "4", "--lengths", "512", "--presets", "k3v4+defaults",
                        "--skip", "prefill", "store"])
     assert decode_grid(args)[1:] == ([4], [512], ["k3v4+defaults"]) and args.skip == ["prefill", "store"]
+    assert decode_grid(parse_args(["--shapes", "8/4/256", "32/16/256"]))[0] == [(8, 4, 256), (32, 16, 256)]
+    for bad in ("8/4", "8/3/128", "a/4/256"):
+        with pytest.raises(SystemExit):
+            parse_args(["--shapes", bad])
 
 
 def test_decode_points_skip_shapes_too_large_for_fp16():

@@ -234,27 +234,42 @@ def test_exact_prefix_decode(preset, group, prefix_len, options, dtype, exact_pr
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
 
 
-@pytest.mark.parametrize("preset", ["4bit", "k3v4"])
+@pytest.mark.parametrize("preset", ["4bit", "k3v4", "3bit"])
 @pytest.mark.parametrize("exact_program", [True, False])
-def test_exact_prefix_and_ring_split_decode(preset, exact_program):
+@pytest.mark.parametrize("rotate_in_reduce", [False, True])
+def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_reduce):
     """Prefix and ring together on the split path, with sinks (split 0 owns them), the exact tiles in
-    their own program or in the first/last split; one row shorter than the ring."""
+    their own program or in the first/last split; one row shorter than the ring. rotate_in_reduce: the
+    partials stay in the rotated value space and the reduction rotates them back, the exact values apart."""
     layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    launch = LaunchConfig(exact_program=exact_program, rotate_in_reduce=rotate_in_reduce)
     _check(layout, [9, 70, 133], 1, 4, prefix_len=4, recent=(16, 0), num_splits=4,
-           kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=LaunchConfig(exact_program=exact_program),
-           **_fidelity_options(layout, 4))
+           kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
+
+
+@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+def test_head_dim_256_split_decode_with_the_levers(preset):
+    """head_dim 256 with every lever: the launcher's default there rotates the split partials in the reduction."""
+    layout = make_layout(preset, 2, 256, key_centering=True, value_rotation=True)
+    seq_lens = torch.tensor([70, 133])
+    plan = plan_attention(torch.randn(2, 4, 1, 256), layout.allocate(40, "cpu"), layout,
+                          torch.zeros(2, 20, dtype=torch.int32), seq_lens, 0.1, num_splits=3,
+                          recent_keys=torch.randn(2, 2, 16, 256), recent_values=torch.randn(2, 2, 16, 256))
+    assert plan.constants["ROT_IN_REDUCE"] and plan.partial_width == 2 * 256
+    _check(layout, [70, 133], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, **_fidelity_options(layout, 2))
 
 
 # a chunk of queries over a longer history (a chat's next turn): several row tiles, each split over the pool's walk,
 # with a ring as the cache hands a multi-token forward (the W positions before it and its own tokens)
 @pytest.mark.parametrize("preset,num_splits", [("4bit", 3), ("k3v4", 2), ("k8v4", 5)])
 @pytest.mark.parametrize("exact_program", [True, False])
-def test_split_chunk_over_several_row_tiles(preset, num_splits, exact_program):
+@pytest.mark.parametrize("rotate_in_reduce", [False, True])
+def test_split_chunk_over_several_row_tiles(preset, num_splits, exact_program, rotate_in_reduce):
     layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
     q_len = 23  # 4 x 23 rows: several row tiles at every tile size
+    launch = LaunchConfig(exact_program=exact_program, rotate_in_reduce=rotate_in_reduce)
     _check(layout, [70, 141], q_len, 4, prefix_len=4, recent=(16 + q_len, 0), num_splits=num_splits,
-           kv_start=torch.tensor([0, 5], device=DEVICE), launch=LaunchConfig(exact_program=exact_program),
-           **_fidelity_options(layout, 4))
+           kv_start=torch.tensor([0, 5], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
     _check(layout, [70, 141], q_len, 4, sliding_window=50, num_splits=num_splits, sinks=torch.randn(8, device=DEVICE))
 
 

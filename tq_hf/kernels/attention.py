@@ -99,7 +99,7 @@ def unified_attention(
         else:
             plan.attention(*args)
         if plan.split:
-            plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all)
+            plan.reduce(pout, plse, out, *out.stride()[:3], plan.ns_all, plan.vrot)
     if signature is not None and holdable_offset(key_offset):
         held.hold(signature, plan, query, out, middle, (pout, plse), (pool, layout, block_table, seq_lens, kv_start,
                                                                     sinks, key_offset, prefix_keys, prefix_values,
@@ -143,7 +143,7 @@ class HeldAttention:
         with device_of(self._tensors[0]):
             plan.attention(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
             if plan.split:
-                plan.reduce(*self._partials, out, *out.stride()[:3], plan.ns_all)
+                plan.reduce(*self._partials, out, *out.stride()[:3], plan.ns_all, plan.vrot)
         return out
 
 
@@ -183,10 +183,10 @@ def _lasting_arguments(plan: AttentionPlan, pool, block_table, seq_lens, workspa
     pout = plse = cent  # placeholders when not splitting
     if plan.split:
         if workspace is None:
-            pout, plse = split_partials(pool.device, plan.partial_rows * plan.dp, plan.workspace_numel)
+            pout, plse = split_partials(pool.device, plan.partial_rows * plan.partial_width, plan.workspace_numel)
         else:
-            pout = workspace[: plan.partial_rows * plan.dp]
-            plse = workspace[plan.partial_rows * plan.dp : plan.workspace_numel]
+            pout = workspace[: plan.partial_rows * plan.partial_width]
+            plse = workspace[plan.partial_rows * plan.partial_width : plan.workspace_numel]
     middle = (
         pool, block_table, block_table.stride(0), seq_lens,
         kv_start if kv_start is not None else seq_lens,

@@ -26,7 +26,9 @@ class LaunchConfig:
     bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
     int64, as pools of >= 2**31 bytes take); key_words: 4-bit keys as 16-bit code words; head_pairs: KV heads
     per decode program (1 or 2); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
-    warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too)."""
+    warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too).
+    rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
+    reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -45,6 +47,7 @@ class LaunchConfig:
     head_pairs: int | None = None
     ring_n: int | None = None
     warp_split: bool | None = None
+    rotate_in_reduce: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -24,6 +24,7 @@ class AttentionPlan:
     ns_all: int  # split programs per row tile (the pool's splits, plus the exact program if any)
     partial_rows: int  # split partial rows, B x Hk x row tiles x ns_all x rows per KV head
     dp: int
+    partial_width: int  # fp32 values per split partial row (reduce.partial_width)
     workspace_numel: int
     rot: torch.Tensor
     cent: torch.Tensor

@@ -28,7 +28,8 @@ two. The per-token metadata (key scale, value scale and mid) is read as bf16, as
 (META_PAIRS), or each token's fields from its pair's 32-bit word (META_WORDS), which the pipeliner prefetches.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to every raw score
 before the softcap; value_rotation multiplies each program's output rows by Rv once in the epilogue (split
-partials too: the log-sum-exp merge is linear in them). 3-bit codes are read one 3-byte group (8 codes) at a
+partials too: the log-sum-exp merge is linear in them), or with ROT_IN_REDUCE (split launches at head_dim > 128, where
+the epilogue's Rv tiles spilled) leaves the partials in the rotated space for the reduction to rotate once per row. 3-bit codes are read one 3-byte group (8 codes) at a
 time, or as code planes (layout.key_planes, layout.value_planes).
 
 exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers of original keys/values
@@ -125,6 +126,8 @@ def _attn_kernel(
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
+    ROT_IN_REDUCE: tl.constexpr,  # SPLIT and VALUE_ROT: partials stay in the rotated value space (reduce.py rotates)
+    PARTIAL_W: tl.constexpr,  # fp32 values per split partial row: DP, or 2 x DP (ROT_IN_REDUCE with EXACT_ACC)
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -379,7 +382,7 @@ def _attn_kernel(
             prow = ((b * (tl.num_programs(1) * HEADS_PER_PROGRAM) + hh) * ns_all + split) * ROWS_PER_HEAD + rr
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), -float("inf"))
         tl.store(plse_ptr + prow, lse)
-        dst = pout_ptr + prow.to(tl.int64)[:, None] * DP
+        dst = pout_ptr + prow.to(tl.int64)[:, None] * PARTIAL_W
     else:
         dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
     if VALUE_BITS == 4 or VALUE_PLANES:
@@ -391,7 +394,7 @@ def _attn_kernel(
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
-        if VALUE_ROT:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
+        if VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
             out = tl.dot(out0, tl.load(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
@@ -415,15 +418,17 @@ def _attn_kernel(
                 store_rounded(dst + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[None, :], out3, om)
     else:
         out = acc0 * inv_l[:, None] + bias_out[:, None]
-        if VALUE_ROT and HADAMARD:  # out @ Rv = (out @ H) * s / sqrt(D), H built in registers (faster here)
+        if VALUE_ROT and HADAMARD and not ROT_IN_REDUCE:  # out @ Rv = (out @ H) * s / sqrt(D), H built in registers
             n = row_norm(out)[:, None]
             out = hadamard_dot(out / n, dc, dc, dc < D, tl.zeros((BLOCK_M, DP), tl.float32))
             out = out * (n * (1.0 / tl.sqrt(D * 1.0))) * hadamard_signs(vrot_ptr, dc, D)[None, :]
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
-        elif VALUE_ROT:
+        elif VALUE_ROT and not ROT_IN_REDUCE:
             out = matmul_square(out, vrot_ptr, D, DP, False)  # out @ Rv
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
         store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
+    if ROT_IN_REDUCE and EXACT_ACC:  # the exact values, original space, after the rotated ones
+        store_rounded(dst + DP + dc[None, :], acc_x * inv_l[:, None], row_ok[:, None] & (dc[None, :] < D))
 

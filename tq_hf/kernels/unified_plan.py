@@ -16,7 +16,7 @@ from .device import DeviceTraits
 from .key_lut import config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut_asm, lut_words_asm
 from .launch_config import NO_REGISTER_CAP, LaunchConfig
 from .plan import AttentionPlan
-from .reduce import reduce_site
+from .reduce import partial_width, reduce_site
 from .unified import _attn_kernel
 from .workspace import check_workspace
 
@@ -179,10 +179,15 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
 
+    # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
+    # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
+    rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
+    exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
+    width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
     partial_rows = b * hk * m_tiles * ns_all * (block_m // hp)
     if split:
-        workspace_numel = partial_rows * (dp + 1)
+        workspace_numel = partial_rows * (width + 1)
         check_workspace(workspace, workspace_numel, pool.device)
     constants = dict(
         D=d, DP=dp, HALF_DP=dhp, CODE_GROUPS=next_pow2(d // 8), G=g, T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes,
@@ -193,7 +198,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=cfg.value_rotation and (prefix_len > 0 or recent_size > 0), ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
+        EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
         EXACT_16=exact16,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
@@ -205,9 +210,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     )
     return AttentionPlan(
         layout=layout, kernel=_attn_kernel, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n,
-        num_stages=num_stages, split=split, ns_all=ns_all, partial_rows=partial_rows, dp=dp,
+        num_stages=num_stages, split=split, ns_all=ns_all, partial_rows=partial_rows, dp=dp, partial_width=width,
         workspace_numel=workspace_numel, rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len,
         recent_size=recent_size, scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
                                           layout.block_bytes, layout.plane_bytes),
-        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles) if split else None,
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles, rot_in_reduce, exact_acc) if split else None,
     )

@@ -94,7 +94,7 @@ def plan_warps(layout: BlockLayout, pool: torch.Tensor, b: int, g: int, lq: int,
         HADAMARD=layout.config.rotation == "hadamard", num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}))
     return AttentionPlan(
         layout=layout, kernel=_warp_kernel, grid=(num_splits, hk // HEADS, b), constants=constants, block_n=block_n,
-        num_stages=num_stages, split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp,
+        num_stages=num_stages, split=True, ns_all=num_splits, partial_rows=partial_rows, dp=dp, partial_width=dp,
         workspace_numel=workspace_numel, rot=rotation_halves(layout, str(pool.device)), cent=cent, vrot=vrot,
         s_koff=0, prefix_len=0, recent_size=0,
         scalars=(lq, num_splits, float(scale), 1.0, 0, layout.block_bytes, layout.plane_bytes),
