@@ -248,6 +248,7 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_red
 
 
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
+@pytest.mark.slow
 def test_head_dim_256_split_decode_with_the_levers(preset):
     """head_dim 256 with every lever: the launcher's default there rotates the split partials in the reduction."""
     layout = make_layout(preset, 2, 256, key_centering=True, value_rotation=True)
@@ -263,7 +264,7 @@ def test_head_dim_256_split_decode_with_the_levers(preset):
 # with a ring as the cache hands a multi-token forward (the W positions before it and its own tokens)
 @pytest.mark.parametrize("preset,num_splits", [("4bit", 3), ("k3v4", 2), ("k8v4", 5)])
 @pytest.mark.parametrize("exact_program", [True, False])
-@pytest.mark.parametrize("rotate_in_reduce", [False, True])
+@pytest.mark.parametrize("rotate_in_reduce", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_split_chunk_over_several_row_tiles(preset, num_splits, exact_program, rotate_in_reduce):
     layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
     q_len = 23  # 4 x 23 rows: several row tiles at every tile size

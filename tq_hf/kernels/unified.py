@@ -28,9 +28,10 @@ two. The per-token metadata (key scale, value scale and mid) is read as bf16, as
 (META_PAIRS), or each token's fields from its pair's 32-bit word (META_WORDS), which the pipeliner prefetches.
 Format options: key_centering adds q . mu (computed once per row from the unrotated query) to every raw score
 before the softcap; value_rotation multiplies each program's output rows by Rv once in the epilogue (split
-partials too: the log-sum-exp merge is linear in them), or with ROT_IN_REDUCE (split launches at head_dim > 128, where
-the epilogue's Rv tiles spilled) leaves the partials in the rotated space for the reduction to rotate once per row. 3-bit codes are read one 3-byte group (8 codes) at a
-time, or as code planes (layout.key_planes, layout.value_planes).
+partials too: the log-sum-exp merge is linear in them), or with ROT_IN_REDUCE (split launches at head_dim > 128,
+where the epilogue's Rv tiles spilled) leaves the partials in the rotated space for the reduction to rotate once
+per row. 3-bit codes are read one 3-byte group (8 codes) at a time, or as code planes (layout.key_planes,
+layout.value_planes).
 
 exact_prefix_tokens: positions kv_start + s (s < P) come from dense side buffers of original keys/values
 instead of the pool, and the compressed walk starts after them. The exact program attends over them after its
