@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, exact_buffers, make_config, time_ms
+from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, exact_buffers, make_config, parse_shape, time_ms
 from eval.common import markdown_table, md_header, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     from tq_hf.kernels import unified_attention
     from tq_hf.layout import BlockLayout
 
-    hq, hk, d = (int(x) for x in args.shape.split("/"))
+    hq, hk, d = parse_shape(args.shape)
     flush = _flush_buffer()
     rows = []
     for point in args.points.split(","):
