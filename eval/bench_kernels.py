@@ -531,13 +531,17 @@ def main(argv=None) -> None:
     if "store" not in args.skip:
         bench_store_step(args, flush, results)
     results["wall_s"] = time.time() - t0
-    out = Path(args.out_dir)
+    write_report(Path(args.out_dir), args.tag or ("kernels_bench_quick" if args.quick else "kernels_bench"), results,
+                 markdown(results), decode_plot)
+
+
+def write_report(out: Path, tag: str, results: dict, md: str, plot) -> None:
+    """OUT/TAG.json (every figure), TAG.md (the table) and TAG.png (plot(path, results), where it draws one); the
+    table printed."""
     out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("kernels_bench_quick" if args.quick else "kernels_bench")
     (out / f"{tag}.json").write_text(json.dumps(results, indent=1))
-    md = markdown(results)
     (out / f"{tag}.md").write_text(md)
-    decode_plot(out / f"{tag}.png", results)
+    plot(out / f"{tag}.png", results)
     print(md)
 
 

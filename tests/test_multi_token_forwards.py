@@ -119,8 +119,13 @@ def test_a_second_turn_is_close_to_one_prefill_of_the_conversation():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, monkeypatch):
+@pytest.mark.parametrize("chunk", [48, 96])  # 96: llama in fp16 takes the dense route (kernels/history.py)
+def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, chunk, monkeypatch):
     """The kernels over a forward's own ring (its tokens and the W before them) vs reference.py on CUDA."""
+    from tq_hf.kernels import history
+
+    monkeypatch.setattr(history, "DENSE_HISTORY_MIN_QUERIES", 64)  # (the tiny models' 256 positions)
+    monkeypatch.setattr(history, "DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS", 64)
     model = tiny_model(family, dtype=dtype, device="cuda")
     ids = prompt(PROMPT + 6, seed=4).cuda()
     cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None)
@@ -128,6 +133,6 @@ def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, mon
     for force in ("0", "1"):
         monkeypatch.setenv("TQ_HF_FORCE_REFERENCE", force)
         cache = TurboQuantCache(model.config, tq_config=cfg)
-        runs.append(torch.cat([feed(model, cache, ids[:, :PROMPT], 48), forced_decode(model, cache, ids, PROMPT, 6)], 1))
+        runs.append(torch.cat([feed(model, cache, ids[:, :PROMPT], chunk), forced_decode(model, cache, ids, PROMPT, 6)], 1))
     atol = 3e-2 if dtype == torch.float16 else 1e-3
     assert_close(runs[0], runs[1], atol=atol, rtol=1e-2, what=f"{family} {dtype} kernels vs reference")

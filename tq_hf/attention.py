@@ -88,11 +88,14 @@ def turboquant_attention_forward(
     b, hq, lq, d = query.shape
     out = query.new_empty(b, lq, hq, d)
     view = out.transpose(1, 2)
+    # several queries over unpadded rows: no kv_start, and the common length, for the dense route (ops)
+    dense_ok = lq > 1 and not layer.padded and not torch.compiler.is_compiling()
     result = ops.paged_attention(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=view,
-        kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+        kv_start=None if dense_ok else layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
         **_exact_overlays(layer, window), **_decode_workspace(layer, query),
+        **({"length": layer.length} if dense_ok else {}),
         held=layer.launches if lq == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return (out if result is view else result.transpose(1, 2)), None  # (traced: the op's new tensor)

@@ -499,6 +499,11 @@ class TurboQuantLayer(CacheLayerMixin):
             self._select_rows(torch.arange(self.rows, device=self.device).repeat_interleave(repeats))
 
     # ---- what the attention function reads ------------------------------------------------------
+    @property
+    def padded(self) -> bool:
+        """Whether some row may start with padding (kv_start holds a nonzero first position; a host bound)."""
+        return self.kv_start is not None and self._max_start > 0
+
     def set_padding(self, kv_start: torch.Tensor | None, contiguous: bool, max_start: int = 0) -> None:
         """Record each row's first real position (None: no padding); non-contiguous padding is sticky.
 

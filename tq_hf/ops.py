@@ -101,8 +101,11 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
     """Attention of query [B, Hq, Lq, D] over the pool; see reference.paged_attention. out: a buffer of
     query's shape and dtype (any strides, last dimension contiguous) the result goes into; returned.
     Under torch.compile the result is a new tensor (`out` is then not written): use the return value.
-    held: the caller's HeldLaunches, for a repeated call (eager kernel launches only)."""
+    held: the caller's HeldLaunches, for a repeated call (eager kernel launches only).
+    length: every row's length (a host int) when the rows hold the same count and no padding (kv_start None): a
+    forward of many queries may then attend through a dense copy of the history (kernels.dense_history_serves)."""
     if torch.compiler.is_compiling():
+        kwargs.pop("length", None)
         return torch.ops.tq_hf.paged_attention(
             query, pool, layout_index(layout), block_table, seq_lens, float(scale), kwargs.get("kv_start"),
             kwargs.get("sliding_window"), kwargs.get("sinks"), kwargs.get("softcap"), kwargs.get("max_seq_len"),
@@ -110,8 +113,12 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
             kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0),
             kwargs.get("workspace"),
         ).transpose(1, 2)
+    length = kwargs.pop("length", None)
     if use_kernels(pool):
         kernels = _kernels()
+        if length is not None and kernels.dense_history_serves(query, layout, length, **kwargs):
+            return kernels.dense_history_attention(query, pool, layout, block_table, seq_lens, scale, length, out=out,
+                                                   **_exact_kwargs(kwargs))
         if held is not None:
             if held.attention is None:
                 held.attention = kernels.HeldAttention()
@@ -176,6 +183,12 @@ def decode_workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: Bloc
     kwargs.pop("recent_from", None)  # a kernel argument, not a plan input
     plan = plan_attention(query[:, :, -1:], pool, layout, block_table, seq_lens, scale, **kwargs)
     return plan.workspace_numel if plan.split else 0
+
+
+def _exact_kwargs(kwargs: dict) -> dict:
+    """The key_offset and exact-token buffers of a paged_attention call (what the dense route takes besides)."""
+    names = ("key_offset", "prefix_keys", "prefix_values", "recent_keys", "recent_values", "recent_from")
+    return {name: kwargs[name] for name in names if name in kwargs}
 
 
 def _query_major(query: torch.Tensor) -> torch.Tensor:

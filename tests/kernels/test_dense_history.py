@@ -1,0 +1,169 @@
+"""The dense route of a many-query forward: dequantize.py's elementwise dequantization and history.py's attention
+through a dense copy, against reference.py.
+
+The dequantized history is compared with reference.gather after rotating back (fp32: to float32 rounding); the
+attention with reference.paged_attention within attention_tolerance plus the rounding of K/V to the query's
+dtype. Outputs are poisoned with NaN, and the pool's slots that exact buffers serve hold NaN, so a position read
+from the wrong place shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tq_hf import ops, reference
+from tq_hf.layout import key_planes, value_planes
+from tq_hf.kernels import dense_history_attention, dense_history_serves, history
+from tq_hf.kernels.dequantize import code_pieces, dequantize_rotated
+
+from kernel_helpers import (DEVICE, attention_tolerance, default_scale, fill_cache, make_layout,
+                            poisoned_exact_buffers, rel_error)
+
+LEVERS = {"4bit": dict(key_centering=True, value_rotation=True), "k8v4": dict(key_centering=True),
+          "k3v4": dict(value_rotation=True), "3bit": {}}
+
+
+def _unpack_by_pieces(packed: torch.Tensor, pieces: torch.Tensor) -> torch.Tensor:
+    """The kernel's recipe in torch: code = sum over pieces of ((row[byte] >> shift) & mask) << place."""
+    byte, shift, mask, place = (pieces[:, i].long() for i in range(4))  # [P, D] each
+    rows = packed.long()[..., None, :].expand(*packed.shape[:-1], byte.shape[0], packed.shape[-1])
+    b = rows.gather(-1, byte.expand(*packed.shape[:-1], *byte.shape))
+    return (((b >> shift) & mask) << place).sum(-2)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_code_pieces_unpack_every_format(preset, head_dim):
+    """The pieces derived from reference's packers unpack random codes of keys and values exactly."""
+    layout = make_layout(preset, 2, head_dim, rotation="random")
+    cfg = layout.config
+    gen = torch.Generator().manual_seed(head_dim)
+    for values, bits in ((False, cfg.key_bits), (True, cfg.value_bits)):
+        codes = torch.randint(0, 1 << bits, (50, head_dim), generator=gen)
+        if values:
+            packed = reference.pack_value_codes(codes, bits, value_planes(cfg, head_dim))
+        else:
+            packed = reference.pack_key_codes(codes, bits, key_planes(cfg, head_dim))
+        got = _unpack_by_pieces(packed, code_pieces(layout, values, "cpu"))
+        assert torch.equal(got, codes), f"{'values' if values else 'keys'}: {(got != codes).sum()} codes differ"
+
+
+@pytest.mark.parametrize("preset,head_dim,lens,per_row_offset", [
+    ("4bit", 64, [37, 53], False), ("k8v4", 64, [21], True), ("k3v4", 128, [40, 40], False),
+    ("3bit", 128, [33], False), ("3bit", 64, [19, 30], True), ("4bit", 96, [25], False)])
+def test_dequantize_rotated_matches_gather(preset, head_dim, lens, per_row_offset):
+    """Rotated back, the dense copy equals reference.gather at every position below the length and leaves the rest
+    of a larger buffer as it was."""
+    options = LEVERS[preset] | ({"rotation": "random"} if head_dim == 96 else {})
+    layout = make_layout(preset, 2, head_dim, **options)
+    cfg = layout.config
+    offset = None
+    if cfg.key_centering:
+        offset = torch.randn(len(lens), 2, head_dim, device=DEVICE) if per_row_offset else torch.randn(2, head_dim, device=DEVICE)
+    pool, table = fill_cache(layout, lens, key_offset=offset)
+    length = min(lens)
+    rot = reference.key_codec(cfg, head_dim, DEVICE)
+    rot = None if rot is None else rot.rotation
+    vrot = reference.value_rotation_matrix(cfg, head_dim, DEVICE)
+    rotated_offset = None if offset is None else (offset @ rot.T if rot is not None else offset)
+    buffers = [torch.full((len(lens), 2, length + 5, head_dim), float("nan"), device=DEVICE) for _ in range(2)]
+    k, v = dequantize_rotated(pool, layout, table, length, torch.float32, rotated_offset,
+                              out=tuple(b[:, :, :length] for b in buffers))
+    assert all(b[:, :, length:].isnan().all() for b in buffers), "wrote past the length"
+    want_k, want_v = reference.gather(pool, layout, table, offset)
+    got_k = k if rot is None else k @ rot
+    got_v = v if vrot is None else v @ vrot
+    for name, got, want in (("keys", got_k, want_k), ("values", got_v, want_v)):
+        assert not got.isnan().any(), f"{name}: unwritten positions"
+        torch.testing.assert_close(got, want[:, :, :length], atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, recent=None, per_row_offset=False):
+    """dense_history_attention vs reference.paged_attention; the pool poisoned where exact buffers serve."""
+    layout = make_layout(preset, 2, head_dim, **LEVERS[preset])
+    offset = None
+    if layout.config.key_centering:
+        shape = (rows, 2, head_dim) if per_row_offset else (2, head_dim)
+        offset = torch.randn(shape, device=DEVICE)
+    lens = [length] * rows
+    pool, table = fill_cache(layout, lens, key_offset=offset)
+    kw = poisoned_exact_buffers(pool, layout, table, lens, [0] * rows, prefix_len, recent, dtype, DEVICE)
+    query = torch.randn(rows, 2 * group, q_len, head_dim, device=DEVICE).to(dtype)
+    seq_lens = torch.tensor(lens, device=DEVICE)
+    scale = default_scale(head_dim)
+    want = reference.paged_attention(query.float(), pool, layout, table, seq_lens, scale, key_offset=offset, **kw)
+    out = torch.full_like(query, float("nan"))
+    got = dense_history_attention(query, pool, layout, table, seq_lens, scale, length, out=out, key_offset=offset, **kw)
+    assert got is out
+    # K/V, the rotation matrices and the rotated query are rounded to the query's dtype before the products (the
+    # unified kernel keeps fp32 there): three roundings of that dtype besides the output's
+    err, tol = rel_error(got, want), 3 * attention_tolerance(dtype, want)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({preset}, D={head_dim}, Lq={q_len}, {dtype})"
+
+
+@pytest.mark.parametrize("preset,head_dim,rows,length,q_len,group,dtype,prefix_len,recent", [
+    ("4bit", 64, 2, 70, 20, 3, torch.float32, 4, (40, 3)),
+    ("k8v4", 64, 1, 45, 45, 2, torch.float32, 0, None),  # a first prefill: the queries are the whole history
+    ("k3v4", 128, 2, 50, 9, 1, torch.bfloat16, 2, (30, 0)),
+    ("3bit", 128, 1, 36, 12, 4, torch.float16, 0, (50, 0)),  # a ring longer than the history
+])
+def test_dense_history_matches_reference(preset, head_dim, rows, length, q_len, group, dtype, prefix_len, recent):
+    _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len, recent)
+
+
+def test_rows_in_groups_and_per_row_means(monkeypatch):
+    """Rows beyond the dense budget go in later groups, each with its own centering means."""
+    monkeypatch.setattr(history, "DENSE_HISTORY_BYTES", 2 * 2 * 40 * 64 * 4)  # one row of 40 positions, fp32
+    _check("4bit", 64, 3, 40, 10, 2, torch.float32, prefix_len=3, recent=(16, 0), per_row_offset=True)
+
+
+def test_dense_history_serves_only_what_it_can():
+    layout = make_layout("4bit", 2, 64, **LEVERS["4bit"])
+    q = torch.zeros(1, 4, history.DENSE_HISTORY_MIN_QUERIES, 64, dtype=torch.float16)
+    assert dense_history_serves(q, layout, 1000)
+    three_bit = make_layout("k3v4", 2, 64)
+    assert history.dense_history_min_queries(three_bit) == history.DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS
+    assert dense_history_serves(q[:, :, : history.DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS], three_bit, 1000)
+    assert not dense_history_serves(q, layout, None), "no common length"
+    assert not dense_history_serves(q[:, :, 1:], layout, 1000), "fewer queries: the unified kernel"
+    assert not dense_history_serves(q.float(), layout, 1000), "float32: no flash attention"
+    for name, value in (("kv_start", torch.zeros(1)), ("sliding_window", 64), ("softcap", 30.0),
+                        ("sinks", torch.zeros(4))):
+        assert not dense_history_serves(q, layout, 1000, **{name: value}), name
+    assert not dense_history_serves(q, layout, history.DENSE_HISTORY_BYTES), "one row over the budget"
+
+
+def test_bad_length_is_refused():
+    layout = make_layout("4bit", 2, 64)
+    pool, table = fill_cache(layout, [20])
+    q = torch.randn(1, 2, 4, 64, device=DEVICE)
+    seq = torch.tensor([20], device=DEVICE)
+    for length in (3, table.shape[1] * layout.block_size + 1, 20.0):
+        with pytest.raises(ValueError, match="length must be"):
+            dense_history_attention(q, pool, layout, table, seq, 0.125, length)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, monkeypatch):
+    """ops.paged_attention with a common length and many queries goes the dense route (flash attention), at
+    head_dim 128, an odd length and the levers, within tolerance of the reference and of the unified kernel."""
+    taken = []
+    real = history.dense_history_attention
+    monkeypatch.setattr("tq_hf.kernels.dense_history_attention", lambda *a, **k: taken.append(1) or real(*a, **k))
+    layout = make_layout(preset, 8, 128, block_size=64, **LEVERS[preset])
+    rows, length, q_len = 2, 3001, max(300, history.dense_history_min_queries(layout))
+    offset = torch.randn(8, 128, device="cuda") if layout.config.key_centering else None
+    pool, table = fill_cache(layout, [length] * rows, "cuda", key_offset=offset)
+    kw = poisoned_exact_buffers(pool, layout, table, [length] * rows, [0] * rows, 4, (128 + q_len, 0), dtype, "cuda")
+    query = torch.randn(rows, 32, q_len, 128, device="cuda").to(dtype)
+    seq = torch.full((rows,), length, device="cuda", dtype=torch.int32)
+    scale = default_scale(128)
+    want = reference.paged_attention(query.float(), pool, layout, table, seq, scale, key_offset=offset, **kw)
+    got = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, length=length, **kw)
+    unified = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, **kw)
+    assert taken == [1]
+    assert rel_error(got, want) <= 3 * attention_tolerance(dtype, want)  # as in _check
+    assert rel_error(unified, want) <= attention_tolerance(dtype, want)

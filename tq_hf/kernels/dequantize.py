@@ -1,0 +1,241 @@
+"""Dequantize a compressed history into dense K/V in the rotated spaces, one launch.
+
+A forward of many queries (a chat's next turn, a prefill chunk) reads the history best as dense K/V through
+flash attention (history.py): every query tile then shares one read of dense tiles, where the unified kernel
+decodes the codes again for each tile of queries. The keys come out as scale * c[code] + mu R^T (the key
+rotation's space: q . k = (q R^T) . (k R^T)) and the values as mid + scale * (code - L/2) (the value rotation's
+space), so the launch is elementwise: no matmul, and the caller rotates the few queries and outputs instead.
+
+The code unpacking comes from reference.py's own packers (code_pieces): each coordinate's code is at most three
+runs of bits in its token's row, found by packing one-bit codes, so this kernel holds no format of its own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import reference
+from ..layout import BlockLayout, key_planes, value_planes
+from .codec_tensors import codec_tensors, next_pow2
+from .fast_launch import device_of
+
+DEQUANT_WARPS = 4  # per program of one block and head (docs/performance.md)
+CENTROID_LOADS = False  # key centroids gathered in registers (else a load per code; docs/performance.md)
+MAX_PIECES = 3  # bit runs per code: 3-bit key planes keep the last two codes' bits in three bytes
+FP16_MAX = tl.constexpr(65504.0)  # a constexpr: the kernel reads it
+
+
+@functools.lru_cache(maxsize=None)
+def code_pieces(layout: BlockLayout, values: bool, device: str) -> torch.Tensor:
+    """[MAX_PIECES, 4, D] int32 (byte, shift, mask, place) per coordinate: its code is the sum over pieces of
+    ((row[byte] >> shift) & mask) << place, `row` the token's packed key (or value) bytes; a piece of mask 0 is
+    unused. Derived by packing one-bit codes with reference.pack_key_codes / pack_value_codes."""
+    cfg, d = layout.config, layout.head_dim
+    bits = cfg.value_bits if values else cfg.key_bits
+    one_bits = torch.zeros(d, bits, d, dtype=torch.int64)  # [coordinate, bit, codes]: one set bit each
+    for i in range(bits):
+        one_bits[torch.arange(d), i, torch.arange(d)] = 1 << i
+    flat = one_bits.flatten(0, 1)
+    if values:
+        packed = reference.pack_value_codes(flat, bits, value_planes(cfg, d))
+    else:
+        packed = reference.pack_key_codes(flat, bits, key_planes(cfg, d))
+    packed = packed.to(torch.int64).unflatten(0, (d, bits))  # [coordinate, bit, bytes]
+    pieces = torch.zeros(MAX_PIECES, 4, d, dtype=torch.int32)
+    for c in range(d):
+        runs: list[list[int]] = []  # [byte, shift, length, place]
+        for i in range(bits):
+            byte = int(packed[c, i].nonzero()[0, 0])
+            shift = int(packed[c, i, byte]).bit_length() - 1
+            last = runs[-1] if runs else None
+            if last and last[0] == byte and last[1] + last[2] == shift and last[3] + last[2] == i:
+                last[2] += 1
+            else:
+                runs.append([byte, shift, 1, i])
+        if len(runs) > MAX_PIECES:
+            raise ValueError(f"a code of coordinate {c} spans {len(runs)} bit runs; the dequantizer reads {MAX_PIECES}")
+        for p, (byte, shift, length, place) in enumerate(runs):
+            pieces[p, :, c] = torch.tensor([byte, shift, (1 << length) - 1, place], dtype=torch.int32)
+    return pieces.to(device)
+
+
+def piece_count(pieces: torch.Tensor) -> int:
+    """Pieces in use (a constexpr: the kernel's loop over them unrolls)."""
+    return int((pieces[:, 2] != 0).any(-1).sum())
+
+
+@functools.lru_cache(maxsize=None)
+def code_groups(layout: BlockLayout, values: bool, device: str) -> torch.Tensor | None:
+    """code_pieces as G column groups [G, MAX_PIECES, 4] (start byte, shift, mask, place), when each group of D/G
+    coordinates reads its pieces from consecutive bytes with one shift, mask and place (4-bit codes, FP8 keys, 3-bit
+    planes): the kernel then loads each group's bytes as wide rows instead of gathering a byte per coordinate.
+    None for formats that straddle bytes (3-bit bit streams) or groups of a width that is not a power of two."""
+    pieces = code_pieces(layout, values, "cpu")
+    d = layout.head_dim
+    for g in (1, 2, 4, 8):
+        width = d // g
+        if d % g or width & (width - 1):
+            continue
+        grouped = pieces.unflatten(-1, (g, width))  # [P, 4, G, W]
+        byte, rest = grouped[:, 0], grouped[:, 1:]
+        step = torch.arange(width, dtype=torch.int32)
+        used = grouped[:, 2] != 0
+        starts = byte[..., :1]
+        if ((byte == starts + step) | ~used).all() and (rest == rest[..., :1]).all() and (starts % 16 == 0).all():
+            return grouped[..., 0].permute(2, 0, 1).contiguous().to(device)  # [G, P, 4]
+    return None
+
+
+@triton.jit
+def _codes(row_ptr, pieces_ptr, rows, cols, ok, D: tl.constexpr, ROW_BYTES: tl.constexpr, ROW_P: tl.constexpr,
+           PIECES: tl.constexpr):
+    """[T, DP] int32 codes of the rows at row_ptr + rows * ROW_BYTES (code_pieces' recipe); 0 past D. The rows
+    are loaded whole (wide, coalesced loads) and each coordinate's bytes gathered from them in registers."""
+    col_ok = cols < D
+    rb = tl.arange(0, ROW_P)
+    row = tl.load(row_ptr + rows[:, None] * ROW_BYTES + rb[None, :], mask=ok[:, None] & (rb[None, :] < ROW_BYTES),
+                  other=0).to(tl.int32)
+    code = tl.zeros((rows.shape[0], cols.shape[0]), tl.int32)
+    for p in tl.static_range(PIECES):
+        byte = tl.load(pieces_ptr + (p * 4) * D + cols, mask=col_ok, other=0)
+        shift = tl.load(pieces_ptr + (p * 4 + 1) * D + cols, mask=col_ok, other=0)
+        mask = tl.load(pieces_ptr + (p * 4 + 2) * D + cols, mask=col_ok, other=0)
+        place = tl.load(pieces_ptr + (p * 4 + 3) * D + cols, mask=col_ok, other=0)
+        b = tl.gather(row, tl.broadcast_to(byte[None, :], (rows.shape[0], cols.shape[0])), 1)
+        code = code | (((b >> shift[None, :]) & mask[None, :]) << place[None, :])
+    return code
+
+
+@triton.jit
+def _group_codes(row_ptr, groups_ptr, g: tl.constexpr, rows, ok, W: tl.constexpr, ROW_BYTES: tl.constexpr,
+                 PIECES: tl.constexpr, MAXP: tl.constexpr):
+    """[T, W] int32 codes of column group g (code_groups' recipe): each piece a run of W consecutive bytes."""
+    cw = tl.arange(0, W)
+    code = tl.zeros((rows.shape[0], W), tl.int32)
+    for p in tl.static_range(PIECES):
+        entry = groups_ptr + (g * MAXP + p) * 4
+        start = tl.multiple_of(tl.load(entry), 16)
+        shift = tl.load(entry + 1)
+        mask = tl.load(entry + 2)
+        place = tl.load(entry + 3)
+        b = tl.load(row_ptr + rows[:, None] * ROW_BYTES + start + cw[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        code = code | (((b >> shift) & mask) << place)
+    return code
+
+
+@triton.jit
+def _meta(plane_ptr, field: tl.constexpr, rows, ok, T: tl.constexpr, META: tl.constexpr):
+    ptr = (plane_ptr + (META + (field * T) * 2)).to(tl.pointer_type(tl.bfloat16))
+    return tl.load(ptr + rows, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _dequantize_kernel(pool_ptr, bt_ptr, s_bt, k_ptr, v_ptr, s_ob, s_oh, s_os, koff_ptr, s_koff, cent_ptr,
+                       kpieces_ptr, vpieces_ptr, length,
+                       H: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KB: tl.constexpr,
+                       VB: tl.constexpr, KBP: tl.constexpr, VBP: tl.constexpr, META: tl.constexpr,
+                       PLANE: tl.constexpr, KEY_FP8: tl.constexpr, KEY_PIECES: tl.constexpr,
+                       VALUE_PIECES: tl.constexpr, KEY_GROUPS: tl.constexpr, VALUE_GROUPS: tl.constexpr,
+                       MAXP: tl.constexpr, VALUE_HALF: tl.constexpr, CODES: tl.constexpr, CENT_LOAD: tl.constexpr,
+                       HAS_KOFF: tl.constexpr, SATURATE: tl.constexpr):
+    """Program (j, h, b): block j of row b, KV head h -> its T positions of k/v [B, H, S, D] (strides s_ob, s_oh,
+    s_os; D contiguous). KEY_GROUPS / VALUE_GROUPS > 0: the codes by code_groups' column groups (the pieces
+    pointers hold those), 0: by code_pieces' per-coordinate gathers over the padded row."""
+    j = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    blk = tl.load(bt_ptr + b * s_bt + j).to(tl.int64)
+    plane_ptr = pool_ptr + blk * (H * PLANE) + h * PLANE
+    rows = tl.arange(0, T)
+    pos = j * T + rows
+    ok = pos < length
+    base = b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh
+    kscale = _meta(plane_ptr, 0, rows, ok, T, META)
+    vscale = _meta(plane_ptr, 1, rows, ok, T, META)
+    vmid = _meta(plane_ptr, 2, rows, ok, T, META)
+    KG: tl.constexpr = KEY_GROUPS if KEY_GROUPS > 0 else 1
+    for g in tl.static_range(KG):
+        if KEY_GROUPS > 0:
+            cols = g * (D // KG) + tl.arange(0, D // KG)
+            kcode = _group_codes(plane_ptr, kpieces_ptr, g, rows, ok, D // KG, KB, KEY_PIECES, MAXP)
+        else:
+            cols = tl.arange(0, DP)
+            kcode = _codes(plane_ptr, kpieces_ptr, rows, cols, ok, D, KB, KBP, KEY_PIECES)
+        if KEY_FP8:
+            k = kcode.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif CENT_LOAD:
+            k = tl.load(cent_ptr + kcode)
+        else:
+            k = tl.gather(tl.broadcast_to(tl.load(cent_ptr + tl.arange(0, CODES))[None, :], (T, CODES)), kcode, 1)
+        k = k * kscale[:, None]
+        if HAS_KOFF:
+            k = k + tl.load(koff_ptr + b * s_koff + h * D + cols, mask=cols < D, other=0.0)[None, :]
+        if SATURATE:  # fp16 out: a rotated coordinate may exceed fp16's range where the original ones did not
+            k = tl.minimum(tl.maximum(k, -FP16_MAX), FP16_MAX)
+        tl.store(k_ptr + base + (pos[:, None] * s_os + cols[None, :]), k.to(k_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (cols[None, :] < D))  # (int32 offsets: a row's positions x D < 2**31)
+    VG: tl.constexpr = VALUE_GROUPS if VALUE_GROUPS > 0 else 1
+    for g in tl.static_range(VG):
+        if VALUE_GROUPS > 0:
+            cols = g * (D // VG) + tl.arange(0, D // VG)
+            vcode = _group_codes(plane_ptr + T * KB, vpieces_ptr, g, rows, ok, D // VG, VB, VALUE_PIECES, MAXP)
+        else:
+            cols = tl.arange(0, DP)
+            vcode = _codes(plane_ptr + T * KB, vpieces_ptr, rows, cols, ok, D, VB, VBP, VALUE_PIECES)
+        v = vmid[:, None] + vscale[:, None] * (vcode.to(tl.float32) - VALUE_HALF)
+        if SATURATE:
+            v = tl.minimum(tl.maximum(v, -FP16_MAX), FP16_MAX)
+        tl.store(v_ptr + base + (pos[:, None] * s_os + cols[None, :]), v.to(v_ptr.dtype.element_ty),
+                 mask=ok[:, None] & (cols[None, :] < D))
+
+
+def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor, length: int,
+                       dtype: torch.dtype, key_offset: torch.Tensor | None = None,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [0, length) of every row as dense (K R^T, V Rv^T), each [rows, H, length, D] in `dtype`: the keys
+    in the key rotation's space (as they are for FP8 keys), the values in the value rotation's (as they are
+    without value_rotation). key_offset: the key_centering mean already in that space, [H, D] or [rows, H, D]
+    (fp32). out: the two buffers to write (that shape and dtype, D contiguous; default: new ones). The caller
+    checks the arguments (history.py); the pool's bytes are read as they are."""
+    rows, h, d, t = block_table.shape[0], layout.num_kv_heads, layout.head_dim, layout.block_size
+    cfg = layout.config
+    if out is None:
+        k = torch.empty(rows, h, length, d, dtype=dtype, device=pool.device)
+        v = torch.empty_like(k)
+    else:
+        k, v = out
+        if k.shape != (rows, h, length, d) or v.shape != k.shape or k.dtype != dtype or v.dtype != dtype or (
+                k.stride(-1) != 1 or v.stride() != k.stride()):
+            raise ValueError(f"out must be two {dtype} buffers [{rows}, {h}, {length}, {d}] of the same strides, "
+                             f"D contiguous; got {list(k.shape)} {k.dtype} and {list(v.shape)} {v.dtype}")
+    if rows == 0 or length == 0:
+        return k, v
+    device = str(pool.device)
+    kg, vg = code_groups(layout, False, device), code_groups(layout, True, device)
+    kp = kg if kg is not None else code_pieces(layout, False, device)
+    vp = vg if vg is not None else code_pieces(layout, True, device)
+    cent = codec_tensors(layout, device)[3]
+    koff = key_offset.float().contiguous() if key_offset is not None else cent
+    s_koff = h * d if key_offset is not None and key_offset.dim() == 3 else 0
+    blocks = -(-length // t)
+    with device_of(pool):
+        _dequantize_kernel[(blocks, h, rows)](
+            pool, block_table, block_table.stride(0), k, v, k.stride(0), k.stride(1), k.stride(2), koff, s_koff, cent,
+            kp, vp, length,
+            H=h, T=t, D=d, DP=next_pow2(d), KB=layout.key_bytes, VB=layout.value_bytes,
+            KBP=next_pow2(layout.key_bytes), VBP=next_pow2(layout.value_bytes), META=layout.metadata_offset,
+            PLANE=layout.plane_bytes, KEY_FP8=not cfg.uses_codebook, KEY_PIECES=_pieces_in_use(layout, False),
+            VALUE_PIECES=_pieces_in_use(layout, True), KEY_GROUPS=0 if kg is None else kg.shape[0],
+            VALUE_GROUPS=0 if vg is None else vg.shape[0], MAXP=MAX_PIECES,
+            VALUE_HALF=((1 << cfg.value_bits) - 1) / 2, CODES=cent.numel(), CENT_LOAD=CENTROID_LOADS,
+            HAS_KOFF=key_offset is not None, SATURATE=dtype == torch.float16, num_warps=DEQUANT_WARPS)
+    return k, v
+
+
+@functools.lru_cache(maxsize=None)
+def _pieces_in_use(layout: BlockLayout, values: bool) -> int:
+    return piece_count(code_pieces(layout, values, "cpu"))

@@ -1,0 +1,130 @@
+"""A forward of many queries over a compressed history, through a dense copy and flash attention.
+
+The unified kernel decodes the history once per tile of 64 query rows: from a few hundred queries up it
+re-reads and re-decodes the whole history several times and runs 2-3x fp16 SDPA (docs/performance.md). Here the
+history is dequantized once (dequantize.py, in the rotation spaces), the exact tokens (prefix, ring, the
+forward's own) written over their positions, and torch's SDPA attends with the causal mask aligned to the
+bottom right (flash attention on CUDA). Queries and outputs are rotated instead of the history: a few rows
+against every position.
+
+The dense copy is transient: a group of rows at a time, within DENSE_HISTORY_BYTES. It serves unpadded rows of
+one common length without a sliding window, logit softcapping or attention sinks (dense_history_serves); the
+unified kernel serves everything else and forwards of fewer queries.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..layout import BlockLayout
+from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
+from .codec_tensors import codec_tensors, value_rotation_tensor
+from .dequantize import dequantize_rotated
+from .fast_launch import device_of
+
+# queries per row from which the dense route is taken: where it measured faster than the unified kernel, eager, on
+# an H200 (docs/performance.md); earlier with 3-bit keys, whose decode costs the unified kernel most
+DENSE_HISTORY_MIN_QUERIES = 256
+DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS = 128
+DENSE_HISTORY_BYTES = 1 << 30  # the dense K/V of one group of rows; rows beyond it go in later groups
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def dense_history_serves(query: torch.Tensor, layout: BlockLayout, length: int | None, kv_start=None,
+                         sliding_window=None, sinks=None, softcap=None, **_) -> bool:
+    """Whether dense_history_attention takes this forward: enough queries, a flash-attention dtype and head size,
+    unpadded rows of a known common length, one row's dense K/V within the budget, none of the features SDPA
+    lacks (sliding window, softcap, sinks)."""
+    lq, d = query.shape[2], query.shape[3]
+    return (length is not None and lq >= dense_history_min_queries(layout) and lq <= length and kv_start is None
+            and sliding_window is None and sinks is None and softcap is None and query.dtype in FLASH_DTYPES
+            and d % 8 == 0 and d <= 256 and _row_bytes(layout, length, query.element_size()) <= DENSE_HISTORY_BYTES)
+
+
+def dense_history_min_queries(layout: BlockLayout) -> int:
+    """Queries per row from which a forward over this format takes the dense route."""
+    three_bit_keys = layout.config.uses_codebook and layout.config.key_bits == 3
+    return DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS if three_bit_keys else DENSE_HISTORY_MIN_QUERIES
+
+
+def _row_bytes(layout: BlockLayout, length: int, element_size: int) -> int:
+    return 2 * layout.num_kv_heads * length * layout.head_dim * element_size
+
+
+def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, length: int, out: torch.Tensor | None = None,
+                            key_offset: torch.Tensor | None = None, prefix_keys: torch.Tensor | None = None,
+                            prefix_values: torch.Tensor | None = None, recent_keys: torch.Tensor | None = None,
+                            recent_values: torch.Tensor | None = None, recent_from: int = 0) -> torch.Tensor:
+    """reference.paged_attention for rows that all hold `length` positions, no padding: query [B, Hq, Lq, D], the
+    last Lq positions of each row; seq_lens (each row's `length`) is not read. The exact buffers and key_offset are
+    as unified_attention takes them. Returns `out` (allocated if None) in query's dtype."""
+    check_attention_inputs(query, pool, layout, block_table, seq_lens, None, None, out, scale, None, None)
+    b, hq, lq, d = query.shape
+    hk = layout.num_kv_heads
+    if not isinstance(length, int) or not lq <= length <= block_table.shape[1] * layout.block_size:
+        raise ValueError(f"length must be an int from the query count {lq} to the block table's capacity "
+                         f"{block_table.shape[1] * layout.block_size}, got {length!r}")
+    key_offset, _ = check_key_offset(key_offset, layout, pool.device, rows=b)
+    prefix_len = check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
+    check_recent(recent_keys, recent_values, layout, b, pool.device)
+    if out is None:
+        out = torch.empty_like(query)
+    dtype = query.dtype
+    rot_t, vrot, vrot_t = _rotations(layout, str(pool.device), dtype)
+    q = query if rot_t is None else query @ rot_t
+    if key_offset is not None and rot_t is not None:
+        key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
+    mask = None if lq == length else causal_lower_right(lq, length)
+    group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
+    with device_of(pool):
+        for r0 in range(0, b, group):
+            rows = slice(r0, min(b, r0 + group))
+            offset = key_offset[rows] if key_offset is not None and key_offset.dim() == 3 else key_offset
+            k, v = dequantize_rotated(pool, layout, block_table[rows], length, dtype, offset)
+            lo = length
+            if recent_keys is not None:  # the ring serves [lo, length), over the prefix where they meet
+                lo = max(recent_from, length - recent_keys.shape[2], 0)
+                _copy_ring(k, _rotated(recent_keys[rows], rot_t, dtype), lo, length)
+                _copy_ring(v, _rotated(recent_values[rows], vrot_t, dtype), lo, length)
+            p = min(prefix_len, lo)
+            if p:
+                k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
+                v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
+            o = F.scaled_dot_product_attention(q[rows], k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                               enable_gqa=hq != hk)
+            out[rows] = o if vrot is None else o @ vrot
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _rotations(layout: BlockLayout, device: str, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    """(R^T, Rv, Rv^T) in `dtype` (None where the format does not rotate): the queries, outputs and exact tokens
+    are rotated in the model's dtype (one matmul each; fp32 accumulation), as flash attention reads them."""
+    cfg = layout.config
+    rot = codec_tensors(layout, device)[0] if cfg.uses_codebook else None
+    vrot = value_rotation_tensor(layout, device) if cfg.value_rotation else None
+    return (None if rot is None else rot.T.to(dtype).contiguous(), None if vrot is None else vrot.to(dtype),
+            None if vrot is None else vrot.T.to(dtype).contiguous())
+
+
+def _rotated(x: torch.Tensor, rot_t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, times rot_t when given."""
+    x = x.to(dtype)
+    return x if rot_t is None else x @ rot_t
+
+
+def _copy_ring(dense: torch.Tensor, ring: torch.Tensor, lo: int, length: int) -> None:
+    """Positions [lo, length) of dense [.., S, D] from the ring [.., W, D] (position p at slot p % W): at most two
+    runs of slots, copied as slices."""
+    w = ring.shape[2]
+    p = lo
+    while p < length:
+        slot = p % w
+        n = min(length - p, w - slot)
+        dense[:, :, p : p + n] = ring[:, :, slot : slot + n]
+        p += n
