@@ -167,3 +167,18 @@ def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, monkeypatc
     assert taken == [1]
     assert rel_error(got, want) <= 3 * attention_tolerance(dtype, want)  # as in _check
     assert rel_error(unified, want) <= attention_tolerance(dtype, want)
+
+
+def test_strided_out_and_large_activations():
+    """The attention function's out (a [B, Lq, Hq, D] buffer seen as [B, Hq, Lq, D]) is written in place; fp16
+    keys whose rotated coordinates pass fp16's range saturate there instead of turning into inf/NaN."""
+    layout = make_layout("4bit", 2, 64, **LEVERS["4bit"])
+    pool, table = fill_cache(layout, [40])
+    k = torch.full((40, 2, 64), 6e4, device=DEVICE)  # every coordinate near fp16's largest: rotated, 8x beyond it
+    slots = table[0].long()[torch.arange(40, device=DEVICE) // 16] * 16 + torch.arange(40, device=DEVICE) % 16
+    reference.store(pool, layout, k, torch.randn_like(k), slots, key_offset=torch.zeros(2, 64, device=DEVICE))
+    buffer = torch.full((1, 12, 4, 64), float("nan"), device=DEVICE, dtype=torch.float16)
+    query = torch.randn(1, 4, 12, 64, device=DEVICE, dtype=torch.float16) * 1e-3
+    got = dense_history_attention(query, pool, layout, table, torch.tensor([40], device=DEVICE), 0.125, 40,
+                                  out=buffer.transpose(1, 2), key_offset=torch.zeros(2, 64, device=DEVICE))
+    assert got.data_ptr() == buffer.data_ptr() and torch.isfinite(buffer).all()
