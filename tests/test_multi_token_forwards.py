@@ -97,6 +97,33 @@ def test_generate_with_prefill_chunks_equals_the_oracle():
     assert_close(ours[1], oracle[1], atol=ATOL, rtol=1e-4, what="chunked generate")
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_attention_names_the_common_length_of_unpadded_rows(padded, monkeypatch):
+    """What lets ops.paged_attention take the dense route: a forward of several tokens over unpadded rows passes
+    the rows' common length and no kv_start; padded rows pass kv_start and no length, one-token steps no length."""
+    from tq_hf import ops
+
+    calls = []
+    real = ops.paged_attention
+    monkeypatch.setattr(ops, "paged_attention", lambda *a, **k: calls.append((a[0].shape[2], k)) or real(*a, **k))
+    model = tiny_model("llama")
+    lengths = [PROMPT - 40, PROMPT] if padded else [PROMPT, PROMPT]
+    ids, mask, _ = left_padded_batch(lengths, seed=5)
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None)
+    generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=3, prefill_chunk_size=64)
+    chunks = [k for lq, k in calls if lq > 1]
+    steps = [k for lq, k in calls if lq == 1]
+    assert chunks and steps
+    for k in chunks:
+        if padded:
+            assert "length" not in k and k["kv_start"] is not None
+        else:
+            assert k["kv_start"] is None and k["length"] == k["max_seq_len"]
+    assert not any("length" in k for k in steps)  # a decode step keeps its held plan
+    if padded:
+        assert all(k["kv_start"] is not None for k in steps)
+
+
 def test_a_second_turn_is_close_to_one_prefill_of_the_conversation():
     """Multi-turn reuse: turn 2's decode over the cache of turn 1 vs a fresh cache fed the whole conversation.
     They differ only by what turn 1's own decode steps attended through the pool (a handful of tokens)."""
