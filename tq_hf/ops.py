@@ -117,8 +117,11 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
     if use_kernels(pool):
         kernels = _kernels()
         if length is not None and kernels.dense_history_serves(query, layout, length, **kwargs):
-            return kernels.dense_history_attention(query, pool, layout, block_table, seq_lens, scale, length, out=out,
-                                                   **_exact_kwargs(kwargs))
+            try:
+                return kernels.dense_history_attention(query, pool, layout, block_table, seq_lens, scale, length,
+                                                       out=out, **_exact_kwargs(kwargs))
+            except torch.OutOfMemoryError:  # no room for the transient dense copy: the kernel needs none
+                pass
         if held is not None:
             if held.attention is None:
                 held.attention = kernels.HeldAttention()

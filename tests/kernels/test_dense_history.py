@@ -182,3 +182,24 @@ def test_strided_out_and_large_activations():
     got = dense_history_attention(query, pool, layout, table, torch.tensor([40], device=DEVICE), 0.125, 40,
                                   out=buffer.transpose(1, 2), key_offset=torch.zeros(2, 64, device=DEVICE))
     assert got.data_ptr() == buffer.data_ptr() and torch.isfinite(buffer).all()
+
+
+def test_no_room_for_the_dense_copy_falls_back_to_the_unified_kernel(monkeypatch):
+    """ops.paged_attention: when the transient dense copy cannot be allocated the unified kernel answers."""
+    from tq_hf import kernels
+
+    layout = make_layout("k8v4", 2, 64, **LEVERS["k8v4"])
+    pool, table = fill_cache(layout, [300])
+    q = torch.randn(1, 4, history.DENSE_HISTORY_MIN_QUERIES, 64, device=DEVICE, dtype=torch.float16)
+    seq = torch.tensor([300], device=DEVICE)
+    calls = []
+
+    def no_room(*args, **kwargs):
+        calls.append("dense")
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(kernels, "dense_history_attention", no_room)
+    monkeypatch.setattr(kernels, "unified_attention", lambda *a, **k: calls.append("unified") or "unified result")
+    assert ops.paged_attention(q, pool, layout, table, seq, 0.125, length=300) == "unified result"
+    assert calls == ["dense", "unified"]
