@@ -60,7 +60,7 @@ def test_dequantize_rotated_matches_gather(preset, head_dim, lens, per_row_offse
     cfg = layout.config
     offset = None
     if cfg.key_centering:
-        offset = torch.randn(len(lens), 2, head_dim, device=DEVICE) if per_row_offset else torch.randn(2, head_dim, device=DEVICE)
+        offset = torch.randn(*((len(lens),) if per_row_offset else ()), 2, head_dim, device=DEVICE)
     pool, table = fill_cache(layout, lens, key_offset=offset)
     length = min(lens)
     rot = reference.key_codec(cfg, head_dim, DEVICE)

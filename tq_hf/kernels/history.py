@@ -1,7 +1,7 @@
 """A forward of many queries over a compressed history, through a dense copy and flash attention.
 
 The unified kernel decodes the history once per tile of 64 query rows: from a few hundred queries up it
-re-reads and re-decodes the whole history several times and runs 2-3x fp16 SDPA (docs/performance.md). Here the
+re-reads and re-decodes the whole history several times and runs 2-4.6x fp16 SDPA (docs/performance.md). Here the
 history is dequantized once (dequantize.py, in the rotation spaces), the exact tokens (prefix, ring, the
 forward's own) written over their positions, and torch's SDPA attends with the causal mask aligned to the
 bottom right (flash attention on CUDA). Queries and outputs are rotated instead of the history: a few rows
