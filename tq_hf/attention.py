@@ -94,8 +94,7 @@ def turboquant_attention_forward(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=view,
         kv_start=None if dense_ok else layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
-        **_exact_overlays(layer, window), **_decode_workspace(layer, query),
-        **({"length": layer.length} if dense_ok else {}),
+        **_exact_overlays(layer, window), **_decode_workspace(layer, query), length=layer.length if dense_ok else None,
         held=layer.launches if lq == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return (out if result is view else result.transpose(1, 2)), None  # (traced: the op's new tensor)
