@@ -61,6 +61,11 @@ def captured_launches():
 
 def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
     """Compile `fn` for CUDA `arch` with these launch arguments; its shared memory in bytes."""
+    return compile_variant(fn, args, kwargs, arch).metadata.shared
+
+
+def compile_variant(fn, args: tuple, kwargs: dict, arch: int):
+    """`fn` compiled for CUDA `arch` with these launch arguments (Triton's CompiledKernel: asm, metadata)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -84,9 +89,8 @@ def compile_shared(fn, args: tuple, kwargs: dict, arch: int) -> int:
             signature[param.name] = "fp32" if isinstance(value, float) else "i32"
         if isinstance(value, torch.Tensor) or (type(value) is int and value % 16 == 0 and param.name not in NO_SPECIALIZE):
             attrs[(index,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", arch, 32), options=options)
-    return kernel.metadata.shared
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def variants(presets: list[str], head_dims: list[int], modes=("decode", "prefill"), levers=(False, True)):

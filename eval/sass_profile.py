@@ -1,0 +1,211 @@
+"""Where a decode kernel's instructions go, per compressed byte: the SASS of its tile loop, without a GPU.
+
+Each preset's decode launch at a shape (B rows of S tokens, Hq/Hk/D) is planned as on an H200 and compiled for
+sm_90a (eval.compile_check); nvdisasm (bundled with Triton) lists the machine code, and the loop with the most
+tensor-core instructions is the walk over the pool's tiles. Its instructions are counted by class, and
+"thread-instructions per byte" = loop instructions x threads / the compressed bytes one loop iteration reads.
+The H200 issues ~33 T thread-instructions/s (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) against ~4.2 TB/s,
+about 8 per byte: a decoder above that is bound by issuing instructions, not by memory.
+
+    python -m eval.sass_profile [--presets 4bit k8v4 k3v4 3bit] [--batch 16] [--length 32768] [--shapes 32/8/128]
+
+The installed Triton compiles (the H200 image runs Triton 3.6; another version's code may differ). Writes
+OUT/sass_profile.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .bench_kernels import make_config, parse_shape
+from .common import write_json
+
+ISSUE_PER_BYTE = 132 * 4 * 32 * 1.98e9 / 4.2e12  # H200 thread-instructions per second over its bytes per second
+CLASSES = [  # (class, opcode pattern), first match wins
+    ("HMMA", r"HMMA"), ("LDG", r"LDG"), ("LDGSTS", r"LDGSTS|LDGDEPBAR|DEPBAR"), ("LDS", r"LDS"), ("STS", r"STS"),
+    ("PRMT", r"PRMT"), ("LOP3/SHF", r"LOP3|SHF|SHL|SHR"), ("IMAD/IADD/LEA", r"IMAD|IADD|LEA"),
+    ("FFMA/FMUL/FADD/FMNMX", r"FFMA|FMUL|FADD|FMNMX"), ("HFMA2/HADD2/HMUL2", r"HFMA2|HADD2|HMUL2"),
+    ("conversions", r"I2F|F2F|F2I|I2I|F2FP"), ("MUFU", r"MUFU"), ("SHFL", r"SHFL"), ("BAR", r"BAR"),
+    ("SETP/SEL", r"ISETP|FSETP|SEL|FSEL|PLOP3"),
+]
+
+
+@dataclass
+class Instruction:
+    address: int
+    opcode: str
+    operands: str
+
+
+def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
+    """nvdisasm output -> (instructions, label -> address of the instruction it names)."""
+    instructions, labels, pending = [], {}, []
+    for line in text.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);", line)
+        if m:
+            address = int(m.group(1), 16)
+            labels.update({name: address for name in pending})
+            pending = []
+            instructions.append(Instruction(address, m.group(2), m.group(3)))
+    return instructions, labels
+
+
+def tile_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
+    """The body of the backward branch whose loop holds the most HMMAs (then the most instructions)."""
+    best: tuple[int, int, list[Instruction]] | None = None
+    for ins in instructions:
+        if not ins.opcode.startswith("BRA"):
+            continue
+        target = re.search(r"(\.L_x_\d+)", ins.operands)
+        start = labels.get(target.group(1)) if target else None
+        if start is None or start >= ins.address:
+            continue
+        body = [x for x in instructions if start <= x.address <= ins.address]
+        key = (sum(x.opcode.startswith("HMMA") for x in body), len(body))
+        if best is None or key > best[:2]:
+            best = (*key, body)
+    return best[2] if best else []
+
+
+def classify(body: list[Instruction]) -> collections.Counter:
+    counts = collections.Counter()
+    for ins in body:
+        counts[next((name for name, pattern in CLASSES if re.match(pattern, ins.opcode)), "other")] += 1
+    return counts
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def disassemble(cubin: bytes) -> tuple[str, int]:
+    """(nvdisasm's listing, registers per thread) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    return text, int(regs.group(1)) if regs else -1
+
+
+VARIANTS = {"default": {}, "key_lut": {"key_lut": True}}  # name -> LaunchConfig overrides
+
+
+def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str = "default"):
+    """(kernel, args, kwargs, layout, plan) of one decode step's attention launch, planned as on an H200 with the
+    launch overrides VARIANTS[variant]."""
+    from tq_hf.kernels import LaunchConfig, attention, plan_attention
+    from tq_hf.kernels.device import H200
+    from tq_hf.layout import BlockLayout
+
+    hq, hk, d = shape
+    cfg = make_config(preset)
+    layout = BlockLayout(cfg, hk, d)
+    pool = layout.allocate(4, "cpu")
+    table = torch.zeros(batch, -(-length // layout.block_size), dtype=torch.int32)
+    seq = torch.full((batch,), length, dtype=torch.int32)
+    query = torch.randn(batch, hq, 1, d, dtype=torch.float16)
+    extra = {}
+    if cfg.exact_prefix_tokens:
+        prefix = torch.randn(batch, hk, cfg.exact_prefix_tokens, d, dtype=torch.float16)
+        extra.update(prefix_keys=prefix, prefix_values=prefix)
+    if cfg.recent_window:
+        ring = torch.randn(batch, hk, cfg.recent_window, d, dtype=torch.float16)
+        extra.update(recent_keys=ring, recent_values=ring)
+    if cfg.key_centering:
+        extra["key_offset"] = torch.randn(hk, d)
+    overrides = VARIANTS[variant]
+    plan = plan_attention(query, pool, layout, table, seq, d ** -0.5, max_seq_len=length, device_traits=H200,
+                          launch=LaunchConfig(**overrides) if overrides else None, **extra)
+    args, _, _ = attention.kernel_arguments(plan, query, pool, table, seq, torch.empty_like(query), **extra)
+    return plan.kernel, args, {**plan.constants, "BLOCK_N": plan.block_n, "num_stages": plan.num_stages}, layout, plan
+
+
+def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], arch: int = 90,
+            variant: str = "default") -> dict:
+    """The tile loop of `preset`'s decode launch: instruction classes, per compressed byte, registers, shared memory."""
+    from .compile_check import compile_only, compile_variant
+
+    with compile_only(arch):
+        fn, args, kwargs, layout, plan = decode_launch(preset, batch, length, shape, variant)
+        kernel = compile_variant(fn, args, kwargs, arch)
+    text, regs = disassemble(kernel.asm["cubin"])
+    body = tile_loop(*parse_sass(text))
+    heads = kwargs.get("HEADS_PER_PROGRAM", 1)
+    tile_bytes = plan.block_n * heads * layout.plane_bytes // layout.block_size
+    threads = kwargs.get("num_warps", 4) * 32
+    return {"preset": preset, "shape": "/".join(map(str, shape)), "variant": variant, "kernel": fn.__name__, "block_n": plan.block_n, "heads_per_program": heads,
+            "warps": threads // 32, "registers": regs, "shared_bytes": kernel.metadata.shared,
+            "loop_instructions": len(body), "tile_bytes": tile_bytes,
+            "thread_instructions_per_byte": len(body) * threads / tile_bytes if tile_bytes else None,
+            "classes": dict(classify(body).most_common())}
+
+
+def markdown(report: dict) -> str:
+    rows = report["rows"]
+    classes = [name for name, _ in CLASSES if any(name in r["classes"] for r in rows)] + ["other"]
+    lines = [f"# Decode tile loop, sm_{report['arch']} SASS (no GPU)", "", f"Command: `{report['command']}`  ",
+             f"Triton {report['triton']}; B={report['batch']}, S={report['length']}; the H200 issues "
+             f"~{ISSUE_PER_BYTE:.1f} thread-instructions per byte it streams", "",
+             "| Hq/Hk/D | preset | launch | kernel | BLOCK_N x heads | warps | registers | shared B | loop instr. | bytes per tile | "
+             "thread-instr. per byte | " + " | ".join(classes) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(classes)]
+    for r in rows:
+        per_byte = r["thread_instructions_per_byte"]
+        lines.append(f"| {r['shape']} | {r['preset']} | {r.get('variant', 'default')} | {r['kernel']} | {r['block_n']} x {r['heads_per_program']} | {r['warps']} | "
+                     f"{r['registers']} | {r['shared_bytes']} | {r['loop_instructions']} | {r['tile_bytes']} | "
+                     f"{per_byte:.1f} | " + " | ".join(str(r["classes"].get(c, 0)) for c in classes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import triton
+
+    ap = argparse.ArgumentParser(prog="python -m eval.sass_profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", nargs="+", default=["4bit", "4bit+defaults", "k8v4", "k8v4+defaults", "k3v4",
+                                                     "k3v4+defaults", "3bit", "3bit+defaults"],
+                    help="preset names as eval.bench_kernels takes them (+defaults: every lever on)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=32768)
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[(32, 8, 128), (32, 8, 64), (8, 4, 256)],
+                    help="Hq/Hk/D head shapes")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                    help="launch overrides to profile beside the default plan (key_lut: 4-bit and 3-bit-plane keys by "
+                         "byte permutes at every head_dim)")
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--out", default="eval/results/sass_profile")
+    args = ap.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    report = {"command": "python -m eval.sass_profile " + " ".join(argv), "triton": triton.__version__,
+              "arch": args.arch, "batch": args.batch, "length": args.length,
+              "rows": [profile(p, args.batch, args.length, shape, args.arch, v) for shape in args.shapes
+                       for p in args.presets for v in args.variants]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "results.json", report)
+    (out / "table.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The SASS profile's parsing: which loop is the tile walk, and how its instructions are counted (CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eval.sass_profile import _tool, classify, markdown, parse_sass, tile_loop
+
+ROOT = Path(__file__).resolve().parents[2]
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.U8 R2, desc[UR4][R4.64] ;
+        /*0020*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0040*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0050*/                   PRMT R9, R8, 0x7610, R9 ;
+        /*0060*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0070*/              @!P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_the_tile_loop_is_the_backward_branch_with_tensor_core_work():
+    instructions, labels = parse_sass(LISTING)
+    assert labels == {".L_x_0": 0x10, ".L_x_1": 0x40} and len(instructions) == 9
+    body = tile_loop(instructions, labels)
+    assert [i.address for i in body] == [0x40, 0x50, 0x60, 0x70]  # not the longer-lived scalar loop at 0x10
+    counts = classify(body)
+    assert counts == {"LDG": 1, "PRMT": 1, "HMMA": 1, "other": 1}  # BRA falls in "other"
+
+
+def test_table_has_a_row_per_shape_and_preset():
+    row = {"preset": "4bit", "shape": "32/8/128", "kernel": "_attn_kernel", "block_n": 128, "heads_per_program": 2,
+           "warps": 4, "registers": 239, "shared_bytes": 75776, "loop_instructions": 1404, "tile_bytes": 34304,
+           "thread_instructions_per_byte": 5.24, "classes": {"HMMA": 128, "PRMT": 224}}
+    md = markdown({"command": "python -m eval.sass_profile", "triton": "3.6.0", "arch": 90, "batch": 16,
+                   "length": 32768, "rows": [row]})
+    assert "| 32/8/128 | 4bit | default | _attn_kernel | 128 x 2 | 4 | 239 | 75776 | 1404 | 34304 | 5.2 |" in md
+    assert "| 128 | 224 |" in md.replace(" 0 |", "")
+
+
+@pytest.mark.slow
+def test_a_real_decode_launch_profiles(tmp_path):
+    """The command on one launch, outside the interpreter (a subprocess, as tests/test_compile_check.py runs)."""
+    if not os.path.exists(_tool("nvdisasm")):
+        pytest.skip("no nvdisasm in this Triton wheel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "eval.sass_profile", "--presets", "k8v4", "--shapes", "32/8/128",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
+    assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0
+    assert 0 < row["thread_instructions_per_byte"] < 100
