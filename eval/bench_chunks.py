@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .bench_kernels import PRESETS, _fill_pool, _flush_buffer, exact_buffers, make_config, time_ms, write_report
+from .common import without_out_dir
 
 SHAPE = (32, 8, 128)  # Hq, Hk, D: Llama-3.1-8B
 DEFAULT_POINTS = ["1x32768x1", "1x32768x8", "1x32768x16", "1x32768x32", "1x32768x64", "1x32768x128",
@@ -218,21 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default="eval/results")
     ap.add_argument("--tag", default="chunks_bench", help="output file stem")
     args = ap.parse_args(argv)
-    args.argv = _without_out_dir(list(argv if argv is not None else sys.argv[1:]))
+    args.argv = without_out_dir(list(argv if argv is not None else sys.argv[1:]))
     return args
-
-
-def _without_out_dir(argv: list[str]) -> list[str]:
-    """The command line as the report records it: where the files went is no part of what was measured."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--out-dir":
-            skip = True
-        elif not a.startswith("--out-dir="):
-            out.append(a)
-    return out
 
 
 def main(argv=None) -> None:

@@ -121,6 +121,13 @@ def _time_against(call, out, baseline, reps: int, flush):
     return time_ms(call, reps, True, flush), diff, baseline
 
 
+def causal_mask(queries: int, s: int, device: str = "cuda"):
+    """The boolean mask of `queries` new tokens at the end of s (None for one query: nothing to mask)."""
+    if queries == 1:
+        return None
+    return torch.ones(queries, s, device=device, dtype=torch.bool).tril(s - queries)
+
+
 def _launch_config(tuning: dict | None):
     """A variant's overrides (a dict, as the results record them) as unified_attention's LaunchConfig."""
     from tq_hf.kernels import LaunchConfig
@@ -155,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
                                        "e.g. \"{'default': {}, 'no bt': {'bt_next': False}}\"")
     ap.add_argument("--rounds", type=int, default=1, help="tiles sweep: time the variants this many times, alternated")
     ap.add_argument("--shape", default="32/8/128", help="query heads / KV heads / head_dim, e.g. 9/3/64 (SmolLM2's)")
+    ap.add_argument("--queries", type=int, default=1, help="new queries per row (a verification forward: 5-10); the "
+                                                           "fp16 baseline attends them causally, lower-right")
     args = ap.parse_args(argv)
     variants = ast.literal_eval(args.variants) if args.variants else VARIANTS
     from tq_hf.config import TurboQuantConfig
@@ -166,10 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for point in args.points.split(","):
         b, s = (int(x) for x in point.split("x"))
-        q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
+        q = torch.randn(b, hq, args.queries, d, device="cuda", dtype=torch.float16)
         k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
         v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-        sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), args.reps, True, flush)
+        mask = causal_mask(args.queries, s)
+        sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), args.reps, True,
+                       flush)
         del k, v
         if args.sweep in ("lookups", "narrow"):
             for lever in ("plain (no levers)", "all (4bit defaults + centering)"):
@@ -255,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                    f"{r['max_abs_diff_vs_first']:.1e}" if "ms" in r else ""] for r in rows]
     text = markdown_table(["B", "S", "preset", "variant", "ms", "x fp16", "GB/s", "max|diff|"], table_rows)
     head = md_header("Decode kernel variants", meta["command"], f"GPU: {meta['machine']['cuda_device']}",
-                     f"Hq/Hk/D {args.shape}; ms are medians of CUDA-graph replays, L2 flushed")
+                     f"Hq/Hk/D {args.shape}, {args.queries} new queries per row; ms are medians of CUDA-graph replays, L2 flushed")
     (out_dir / "table.md").write_text(f"{head}\n{text}")
     print(text)
 

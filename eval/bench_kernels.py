@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .common import without_out_dir
+
 DECODE_SHAPES = [(32, 8, 128), (9, 3, 64), (32, 8, 64), (8, 4, 256), (32, 16, 256)]  # (Hq, Hk, D); --quick: the first
 PRESETS = ["4bit", "k8v4", "k3v4", "3bit"]
 MAX_FP16_KV_BYTES = 40 * 2**30  # skip shapes whose fp16 K+V alone would exceed this
@@ -515,7 +517,7 @@ def main(argv=None) -> None:
     import triton
 
     torch.manual_seed(0)
-    results = {"command": "python -m eval.bench_kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"command": "python -m eval.bench_kernels " + " ".join(without_out_dir(argv if argv is not None else sys.argv[1:])),
                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "block_size": args.block_size, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "timing": "median of CUDA-graph replays (decode, store step) or eager calls (prefill), L2 flushed",

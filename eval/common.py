@@ -459,6 +459,19 @@ def write_table_md(path: Path, head: str, table: str, skipped: dict, label: str 
     path.write_text(head + "\n" + table, encoding="utf-8")
 
 
+def without_out_dir(argv: list[str]) -> list[str]:
+    """The command line as the report records it: where the files went is no part of what was measured."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--out-dir":
+            skip = True
+        elif not a.startswith("--out-dir="):
+            out.append(a)
+    return out
+
+
 def run_metadata(module: str, argv: list[str] | None) -> dict:
     """Command, versions, machine and time: what a results file needs to be reproduced."""
     argv = sys.argv[1:] if argv is None else list(argv)

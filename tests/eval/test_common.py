@@ -168,3 +168,9 @@ def test_fp8_key_layer_bytes_from_first_principles():
     note = perplexity.checked_note({"dense_by_check": [5], "fp8_keys_by_check": [0, 11]})
     assert note == "; layers [5] kept dense and layers [0, 11] given FP8 keys by the first prefill's check"
     assert perplexity.checked_note({"dense_by_check": [], "fp8_keys_by_check": []}) == ""
+
+
+def test_recorded_command_drops_the_output_folder():
+    """Where a report was written is no part of what it measured: the recorded command leaves it out."""
+    argv = ["--reps", "10", "--out-dir", "/tmp/x", "--tag", "t", "--out-dir=/tmp/y"]
+    assert common.without_out_dir(argv) == ["--reps", "10", "--tag", "t"]

@@ -551,6 +551,42 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     assert seen["KEY_LUT"] is False
 
 
+@pytest.mark.parametrize("preset", ["4bit", "k3v4", "k8v4"])
+@pytest.mark.parametrize("batch,kv_heads", [(1, 4), (2, 4), (16, 4), (1, 16)])
+def test_gpu_head_dim_256_decode_choices(preset, batch, kv_heads):
+    """head_dim 256 (Gemma's) on an H200: codebook keys by the lookup (4-bit bytes, 3-bit planes); 128-token tiles
+    except with the levers over fewer than 8 KV heads in all, where 64-token tiles were faster."""
+    for levers in (False, True):
+        layout = make_layout(preset, kv_heads, 256, key_centering=levers, value_rotation=levers)
+        pool, table = fill_cache(layout, [64] * batch, "cpu")
+        kw = {"key_offset": torch.zeros(batch, kv_heads, 256)} if levers else {}
+        seen = _gpu_launch(torch.randn(batch, 2 * kv_heads, 1, 256, dtype=torch.float16), pool, layout, table,
+                           torch.full((batch,), 65), 0.1, max_seq_len=32768, **kw)
+        want = (preset != "k8v4", 64 if levers and batch * kv_heads < 8 else 128)
+        assert (seen["KEY_LUT"], seen["BLOCK_N"]) == want, (levers, seen)
+
+
+@pytest.mark.parametrize("q_len,block_m", [(1, 16), (4, 16), (8, 16), (16, 16), (17, 64)])
+def test_gpu_fp8_verification_tiles(q_len, block_m):
+    """FP8 keys at head_dim 128, GQA 4, on an H200: a forward of up to 16 new tokens (64 rows) takes 16-row tiles,
+    each walking the history, as decode does; more rows take the prefill's 64-row tiles."""
+    layout = make_layout("k8v4", 8, 128, key_centering=True, value_rotation=True)
+    pool, table = fill_cache(layout, [64], "cpu")
+    seen = _gpu_launch(torch.randn(1, 32, q_len, 128, dtype=torch.float16), pool, layout, table,
+                       torch.tensor([64 + q_len]), 0.1, max_seq_len=32768, key_offset=torch.zeros(1, 8, 128))
+    assert (seen["BLOCK_M"], seen["VALUE_WORDS"]) == (block_m, block_m == 16), seen
+
+
+@pytest.mark.slow
+def test_fp8_verification_forward():
+    """8 and 16 new tokens over a history with every lever (a GPU's 16-row tiles: 2 and 4 per KV head, each split
+    over the walk)."""
+    layout = make_layout("k8v4", 2, 128, key_centering=True, value_rotation=True)
+    for q_len in (8, 16):
+        _check(layout, [70, 141], q_len, 4, prefix_len=4, recent=(16 + q_len, 0),
+               kv_start=torch.tensor([0, 5], device=DEVICE), **_fidelity_options(layout, 4))
+
+
 @pytest.mark.parametrize("exact", ["prefix", "recent", None])
 @pytest.mark.parametrize("batch", [16, 1])
 def test_gpu_decode_tiles_with_exact_buffers(exact, batch):
@@ -975,10 +1011,10 @@ def _check_decode_walks(layout, options: bool, tuning: dict) -> None:
                num_splits=3, launch=LaunchConfig(**tuning), **kw)
 
 
-# 4-bit keys as 16-bit code words, 4 dots over coordinate sets (a GPU's lookup layout; gathered here): odd kv_start,
-# splits, windows, GQA 4 and 3, the format options with the exact prefix and ring, each metadata load (token pairs:
-# a GPU's choice at head_dim 64)
-@pytest.mark.parametrize("head_dim", [64, 128])
+# 4-bit keys as 16-bit code words, 4 dots over coordinate sets (a GPU's lookup layout; gathered here) at each head_dim
+# the lookup serves: odd kv_start, splits, windows, GQA 4 and 3, the format options with the exact prefix and ring,
+# each metadata load (token pairs: a GPU's choice at head_dim 64)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("options", [False, True])
 @pytest.mark.parametrize("meta", [None, "meta_words", "meta_pairs"])
 @pytest.mark.slow
