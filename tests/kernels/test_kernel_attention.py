@@ -260,6 +260,17 @@ def test_head_dim_256_split_decode_with_the_levers(preset):
     _check(layout, [70, 133], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, **_fidelity_options(layout, 2))
 
 
+@pytest.mark.parametrize("preset", ["4bit", "k3v4"])
+@pytest.mark.slow
+def test_head_dim_256_levers_on_long_tiles(preset):
+    """head_dim 256 with every lever over 8 KV heads in all (2 rows x 4): the 128-token tiles of an H200's plan
+    (there with the key lookup; the interpreter gathers)."""
+    layout = make_layout(preset, 4, 256, key_centering=True, value_rotation=True)
+    gpu_tiles = DeviceTraits(num_sms=132, runs_ptx=False, tuned_for_gpu=True)
+    traits = {} if DEVICE == "cuda" else {"device_traits": gpu_tiles}
+    _check(layout, [300, 141], 1, 2, prefix_len=4, recent=(16, 0), **_fidelity_options(layout, 2), **traits)
+
+
 # a chunk of queries over a longer history (a chat's next turn): several row tiles, each split over the pool's walk,
 # with a ring as the cache hands a multi-token forward (the W positions before it and its own tokens)
 @pytest.mark.parametrize("preset,num_splits", [("4bit", 3), ("k3v4", 2), ("k8v4", 5)])
