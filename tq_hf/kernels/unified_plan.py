@@ -46,13 +46,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 4-bit keys by byte permutes (key_lut.py) in decode that runs PTX, at head_dim 64 (as code words), 128 and
     # 256, where measured faster than the gather; other head_dims are unmeasured
     wants_lut = _pick(launch.key_lut, d in (64, 128, 256))
-    maxnreg = None
-    narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
-    plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     words = config_lut_words(cfg, d) if decode and ptx and wants_lut else None
     # 3-bit keys stored as 8 code planes (layout.key_planes): one dot per plane, by the same byte permutes
     use_planes = key_planes(cfg, d)
     words3 = config_lut3_words(cfg, d) if use_planes and decode and ptx and wants_lut else None
+    maxnreg = None
+    narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
+    plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     # two KV heads per program: their query rows share one 16-row MMA tile, so the softmax, its reductions and
     # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
     pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
@@ -63,9 +63,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # FP8 keys, a verification forward (17-64 rows): 16-row tiles, each walking the history, were 2.1-2.3x
             # faster than one 32- or 64-row tile under the 128-register cap (1.7x uncapped)
             block_m = 16
-        block_n = (256 if cfg.key_bits == 4 else 128) if d <= 128 else 64
-        if d == 256 and (plain_format or b * hk >= 8):
-            block_n = 128  # 128-token tiles at head_dim 256 but for a few KV heads with the levers (5% slower there)
+        block_n = 256 if cfg.key_bits == 4 else 128
+        if d > 128:  # head_dim 256: 64-token tiles only for a few KV heads with the levers (128 were 5% slower there)
+            block_n = 128 if d == 256 and (plain_format or b * hk >= 8) else 64
         if words and d == 128 and (prefix_len or recent_size):
             block_n = 128  # with exact prefix/ring buffers 128-token tiles also at small batch
         if hp > 1 and words:
