@@ -83,7 +83,8 @@ def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill:
     pool, table = _fill_pool(layout, b, total, key_offset=mu)
     seq = torch.full((b,), total, device="cuda", dtype=torch.int32)
     ring = cfg.recent_window + (lq if lq > 1 and not prefill else 0)  # a compressed prefill reads the layer's ring
-    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, ring)
+    # (a forward of several tokens reads its own dense window of ring + new tokens; a prefill the layer's ring)
+    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, ring, ring_records=None if prefill or lq == 1 else False)
     q = torch.randn(b, hq, lq, d, device="cuda", dtype=torch.float16)
     scale = 1 / math.sqrt(d)
     outs = {}

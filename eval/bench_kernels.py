@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tq_hf.layout import ring_record_bytes
+from tq_hf.reference import encode_ring
+
 from .common import without_out_dir
 
 DECODE_SHAPES = [(32, 8, 128), (9, 3, 64), (32, 8, 64), (8, 4, 256), (32, 16, 256)]  # (Hq, Hk, D); --quick: the first
@@ -59,17 +62,20 @@ def make_config(name: str, block_size: int | None = None):
                                         exact_prefix_tokens=0, recent_window=0)
 
 
-def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda") -> dict:
+def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda", ring_records: bool | None = None) -> dict:
     """unified_attention's exact side buffers (random fp16): `prefix` leading tokens and a ring of `ring` recent
-    ones per row and KV head (none where 0)."""
+    ones per row and KV head (none where 0), the ring as the cache keeps it (int8 records with recent_format "int8";
+    ring_records=False: fp16, as a multi-token forward's own window)."""
     hk, d = layout.num_kv_heads, layout.head_dim
     extra = {}
     if prefix:
         pk = torch.randn(b, hk, prefix, d, device=device, dtype=EXACT_DTYPE)
         extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
     if ring:
-        rk = torch.randn(b, hk, ring, d, device=device, dtype=EXACT_DTYPE)
-        extra.update(recent_keys=rk, recent_values=torch.randn_like(rk), recent_from=0)
+        rk, rv = (torch.randn(b, hk, ring, d, device=device, dtype=EXACT_DTYPE) for _ in range(2))
+        if layout.config.recent_format == "int8" if ring_records is None else ring_records:
+            rk, rv = encode_ring(rk), encode_ring(rv)
+        extra.update(recent_keys=rk, recent_values=rv, recent_from=0)
     return extra
 
 
@@ -90,7 +96,8 @@ def read_positions(s: int, prefix: int, ring: int) -> tuple[int, int, int]:
 
 def decode_read_bytes(layout, b: int, s: int, prefix: int = 0, ring: int = 0) -> int:
     """Cache bytes one decode step over b rows of s tokens reads: each pool position at the layout's bytes per
-    (token, KV head), each exact prefix/ring position as fp16 K and V.
+    (token, KV head), each exact prefix position as fp16 K and V, each ring position as the cache keeps it (two
+    int8 records, or fp16 K and V).
 
     The floor counts only what grows with the cache: query, output, block table and per-head constants (KBs
     against the MBs here) are left out, as fp16_kv_bytes leaves out SDPA's query and output. Pure arithmetic,
@@ -98,7 +105,8 @@ def decode_read_bytes(layout, b: int, s: int, prefix: int = 0, ring: int = 0) ->
     pool, from_prefix, from_ring = read_positions(s, prefix, ring)
     pool_token = layout.plane_bytes // layout.block_size  # key codes + value codes + metadata of one (token, head)
     exact_token = 2 * layout.head_dim * EXACT_DTYPE.itemsize  # K and V
-    return b * layout.num_kv_heads * (pool * pool_token + (from_prefix + from_ring) * exact_token)
+    ring_token = 2 * ring_record_bytes(layout.head_dim) if layout.config.recent_format == "int8" else exact_token
+    return b * layout.num_kv_heads * (pool * pool_token + from_prefix * exact_token + from_ring * ring_token)
 
 
 def floor_fields(nbytes: int, ms: float, copy_gbps: float, key_prefix: str = "") -> dict:

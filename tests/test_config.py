@@ -34,12 +34,13 @@ def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
     assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (True, True, 4, 128)
     assert all(TurboQuantConfig.from_preset(p).key_centering for p in PRESETS)  # FP8 keys too (Qwen2.5's biases)
-    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5
+    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5 and cfg.recent_format == "int8"
 
 
 @pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),
                                         ("exact_prefix_tokens", 2.0), ("recent_window", -1),
-                                        ("recent_window", 5000), ("key_centering", 1), ("value_rotation", "yes")])
+                                        ("recent_window", 5000), ("key_centering", 1), ("value_rotation", "yes"),
+                                        ("recent_format", "fp8"), ("recent_format", None)])
 def test_lever_fields_validated(field, bad):
     with pytest.raises(ValueError, match=field):
         TurboQuantConfig(**{field: bad})

@@ -1,6 +1,8 @@
 """TurboQuantConfig.exact_dtype="16bit": a float32 model's exact tokens (prefix, ring, exact start) in bfloat16, so they
 cost what an fp16 cache's do; a forward's own tokens are still attended in float32."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -11,7 +13,8 @@ from tq_hf import TurboQuantCache, TurboQuantConfig
 @pytest.mark.parametrize("dtype,expected", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
                                             (torch.float16, torch.float16)])
 def test_exact_buffers_take_a_16_bit_dtype(dtype, expected):
-    config = TurboQuantConfig.from_preset("4bit", recent_window=8, exact_prefix_tokens=2, exact_dtype="16bit")
+    config = TurboQuantConfig.from_preset("4bit", recent_window=8, exact_prefix_tokens=2, exact_dtype="16bit",
+                                          recent_format="exact")
     assert config.exact_dtype_for(dtype) == expected
     assert TurboQuantConfig.from_preset("4bit").exact_dtype_for(dtype) == dtype  # the default: the model's
     cache = TurboQuantCache(tiny_model("llama").config, tq_config=config)
@@ -23,6 +26,9 @@ def test_exact_buffers_take_a_16_bit_dtype(dtype, expected):
     assert_close(layer.recent_keys[:, :, :4].float(), k[:, :, 8:].to(expected).float(), atol=0, what="ring: rounded")
     with pytest.raises(ValueError, match="exact_dtype"):
         TurboQuantConfig(exact_dtype="float64")
+    records = TurboQuantCache(tiny_model("llama").config, tq_config=dataclasses.replace(config, recent_format="int8"))
+    records.update(k, k.clone(), 0)  # the default int8 ring: records whatever the dtype, the prefix in exact_dtype
+    assert records.layers[0].recent_keys.dtype == torch.int8 and records.layers[0].prefix_keys.dtype == expected
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -47,7 +53,8 @@ def test_a_forwards_own_tokens_stay_float32():
     history rounded to bfloat16 (LayerStep.window)."""
     model = tiny_model("llama")
     cache = TurboQuantCache(model.config, tq_config=TurboQuantConfig.from_preset("4bit", recent_window=8,
-                                                                                  exact_dtype="16bit"))
+                                                                                  exact_dtype="16bit",
+                                                                                  recent_format="exact"))
     ids = torch.randint(3, 90, (1, 40))
     with torch.no_grad():
         model(input_ids=ids[:, :30], use_cache=True, **with_cache(cache))

@@ -13,11 +13,12 @@ from tq_hf.layout import BlockLayout
 
 pytestmark = pytest.mark.exact_start
 
-SMALL = dict(recent_window=16, exact_prefix_tokens=2)  # a short exact start (head_dim 32: 33 tokens in float32)
+# a short exact start (head_dim 32: 33 tokens in float32 with an exact ring, 19 with the default int8 ring)
+SMALL = dict(recent_window=16, exact_prefix_tokens=2, recent_format="exact")
 
 
 def small_config(**fields) -> TurboQuantConfig:
-    return TurboQuantConfig.from_preset("4bit", **SMALL, **fields)
+    return TurboQuantConfig.from_preset("4bit", **{**SMALL, **fields})
 
 
 def forward(model, ids, cache, mask=None):
@@ -39,25 +40,29 @@ def dense_bytes(cache, element_bytes: int) -> int:
     return 2 * element_bytes * rows * heads * cache.get_seq_length() * dim * len(cache.layers)
 
 
-def test_break_even_by_hand():
-    """4bit at head_dim 128, 64-token blocks of 134 bytes per token and head, 132 exact tokens of 512 bytes (fp16):
-    from n tokens on, (n / 64 + 1 + n / (64 * 64)) blocks of 8576 bytes plus 132 * 512 stay within n * 512."""
-    layout = BlockLayout(TurboQuantConfig.from_preset("4bit"), 8, 128)
+@pytest.mark.parametrize("recent_format,side", [("int8", 4 * 512 + 128 * 2 * 132), ("exact", 132 * 512)])
+def test_break_even_by_hand(recent_format, side):
+    """4bit at head_dim 128, 64-token blocks of 134 bytes per token and head, 4 exact prefix tokens of 512 bytes
+    (fp16) and a 128-token ring of two 132-byte int8 records per token (or 512 exact bytes): from n tokens on,
+    (n / 64 + 1 + n / (64 * 64)) blocks of 8576 bytes plus the side buffers stay within n * 512."""
+    layout = BlockLayout(TurboQuantConfig.from_preset("4bit", recent_format=recent_format), 8, 128)
     n = break_even_tokens(layout, 2)
-    assert (n / 64 + 1 + n / 4096) * 8576 + 132 * 512 <= n * 512 < ((n - 1) / 64 + 1 + (n - 1) / 4096) * 8576 + 132 * 512 + 512
-    assert 190 < n < 230
+    assert (n / 64 + 1 + n / 4096) * 8576 + side <= n * 512 < ((n - 1) / 64 + 1 + (n - 1) / 4096) * 8576 + side + 512
+    assert (190 < n < 230) if recent_format == "exact" else (100 < n < 140)
     assert break_even_tokens(layout, 4) < n  # float32 dense tokens cost twice as much: compressing pays earlier
 
 
-@pytest.mark.parametrize("dtype,exact_dtype,element_bytes",
-                         [(torch.float32, "16bit", 2), (torch.bfloat16, "model", 2), (torch.float32, "model", 4)])
-def test_memory_never_above_the_dense_cache(dtype, exact_dtype, element_bytes):
+@pytest.mark.parametrize("dtype,exact_dtype,element_bytes,recent_format",
+                         [(torch.float32, "16bit", 2, "exact"), (torch.bfloat16, "model", 2, "exact"),
+                          (torch.float32, "model", 4, "exact"), (torch.float32, "16bit", 2, "int8"),
+                          (torch.bfloat16, "model", 2, "int8")])
+def test_memory_never_above_the_dense_cache(dtype, exact_dtype, element_bytes, recent_format):
     """Token by token from 1 to 3x the exact start: the cache never allocates more K/V bytes than a DynamicCache at
     the exact tokens' element size (the model's; 2 bytes, an fp16 cache, for a float32 model with
     exact_dtype="16bit"); past the exact start every layer is compressed; far past it, the bytes approach the
     format's."""
     model = tiny_model("llama", dtype=dtype)
-    cache = TurboQuantCache(model.config, tq_config=small_config(exact_dtype=exact_dtype))
+    cache = TurboQuantCache(model.config, tq_config=small_config(exact_dtype=exact_dtype, recent_format=recent_format))
     start = break_even_tokens(BlockLayout(cache.tq_config, 2, 32), element_bytes)
     ids = torch.randint(3, model.config.vocab_size, (2, 3 * start))
     for t in range(ids.shape[1]):
@@ -181,7 +186,7 @@ def test_check_at_the_onset_gives_fp8_keys():
     model = guard_model(bias=7.0)
     cache = TurboQuantCache(model.config, preset="4bit")
     ids = torch.randint(3, model.config.vocab_size, (2, 320))
-    forward(model, ids[:, :100], cache)
+    forward(model, ids[:, :40], cache)
     assert isinstance(cache.layers[0], ExactStartLayer)
-    forward(model, ids[:, 100:], cache)
+    forward(model, ids[:, 40:], cache)
     assert cache.fp8_keys_by_check == [0]

@@ -112,6 +112,29 @@ def test_beam_search_with_diverging_beams(family):
     assert first_split >= 5, f"beams diverged at new token {first_split}, not long after the prompt"
 
 
+RING_FLIP_ATOL = 1e-2  # an int8 ring code flipped by fp32 noise between the two forwards moves logits by ~1e-3
+
+
+@pytest.mark.parametrize("mode", ["greedy", "beams", "assisted"])
+def test_int8_ring_matches_the_oracle(mode):
+    """The default ring (int8 records) through generate(): left-padded greedy decoding, diverging beams (reordered
+    rings), assisted decoding (verification forwards over the ring, then crops), against the oracle's int8 ring."""
+    model = tiny_model("llama")
+    cfg = tq_config(recent_format="int8")
+    if mode == "assisted":
+        ids, _, _ = left_padded_batch([10], seed=7)
+        ids = torch.cat([ids, ids[:, 2:8]], 1)
+        kwargs = dict(max_new_tokens=12, assistant_model=tiny_model("llama", seed=1))
+        mask = torch.ones_like(ids)
+    else:
+        ids, mask, _ = left_padded_batch([9, 14, 5] if mode == "greedy" else [6, 9], seed=1 if mode == "greedy" else 6)
+        kwargs = dict(max_new_tokens=10) if mode == "greedy" else dict(max_new_tokens=10, num_beams=4,
+                                                                       num_return_sequences=4, length_penalty=0.0)
+    (_, logits), _ = compare(model, ids, mask, cfg, f"int8 ring, {mode}", atol=RING_FLIP_ATOL, **kwargs)
+    exact = generate(model, ids, mask, FakeQuantCache(model.config, tq_config(), mask), **kwargs)[1]
+    assert (logits - exact).abs().max() > 1e-5  # the records' rounding shows: the ring is really int8
+
+
 def test_assisted_decoding_crops_the_cache():
     model, assistant = tiny_model("llama"), tiny_model("llama", seed=1)
     ids, mask, _ = left_padded_batch([10], seed=7)

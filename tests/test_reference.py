@@ -800,3 +800,43 @@ def test_property_store_gather(preset, head_dim, block_size, heads, lengths, dty
     # every byte outside the written slots still holds the poison
     n_written = sum(lengths) * heads * cfg.token_head_bytes(head_dim)
     assert int((case.pool != POISON).sum()) <= n_written
+
+
+# ---- int8 ring records (recent_format "int8") ----------------------------------------------------
+@given(
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    head_dim=st.sampled_from([32, 64, 128, 256]),
+    log_magnitude=st.floats(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_int8_ring_records(dtype, head_dim, log_magnitude, seed):
+    """Every element within half a code step (absmax / 254) of what it was, finite from 1e-30 to 1e30, zero vectors
+    exact; the layout: head_dim int8 codes in [-127, 127], then the scale's fp32 bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = min(10.0**log_magnitude, 5e3 if dtype == torch.float16 else 1e30)
+    x = (torch.randn(3, 2, 5, head_dim, generator=gen) * magnitude).to(dtype)
+    x[0, 0, 0] = 0
+    records = ref.encode_ring(x)
+    assert records.dtype == torch.int8 and records.shape == (3, 2, 5, head_dim + 4)
+    codes, scale = records[..., :head_dim], records[..., head_dim:].contiguous().view(torch.float32)
+    assert int(codes.min()) >= -127 and int(codes.max()) <= 127
+    xd = x.double()
+    assert torch.allclose(scale.double(), xd.abs().amax(-1, keepdim=True) / 127, rtol=1e-6, atol=0)
+    back = ref.decode_ring(records)
+    assert bool(torch.isfinite(back).all()) and bool((back[0, 0, 0] == 0).all())
+    err = (back.double() - xd).abs()
+    assert bool((err <= scale.double() * (0.5 + 1e-5)).all()), float((err / scale.double()).max())
+    assert torch.equal(ref.ring_vectors(records), back) and ref.ring_vectors(x) is x
+    assert torch.equal(ref.to_ring(x, torch.int8), records) and ref.to_ring(x, torch.float32).dtype == torch.float32
+
+
+def test_overlay_recent_reads_int8_records_as_their_vectors():
+    """overlay_recent of an int8 ring equals the overlay of its decoded vectors (positions [S - W, S) from the ring)."""
+    dense = torch.randn(2, 3, 20, 64)
+    ring = torch.randn(2, 3, 8, 64) * 4
+    seq_lens = torch.tensor([20, 13])
+    records = ref.encode_ring(ring)
+    got = ref.overlay_recent(dense, records, seq_lens, 0)
+    want = ref.overlay_recent(dense, ref.decode_ring(records), seq_lens, 0)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0, :, :12], dense[0, :, :12]) and not torch.equal(got[0, :, 12:], dense[0, :, 12:])

@@ -41,7 +41,7 @@ from transformers.utils import logging
 
 from . import ops, reference
 from .config import SLIDING_COMPRESS_MIN_WINDOW, TurboQuantConfig
-from .layout import BlockLayout
+from .layout import BlockLayout, ring_record_bytes
 from .support import ATTENTION_NAME, check_supported
 
 logger = logging.get_logger(__name__)
@@ -65,7 +65,8 @@ def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
     of _reserve) and its exact prefix and ring, against 2 * head_dim * element_bytes per token and KV head."""
     cfg, t, dim = layout.config, layout.block_size, layout.head_dim
     dense_token = 2 * dim * element_bytes
-    side = (cfg.exact_prefix_tokens + cfg.recent_window) * dense_token
+    ring_token = 2 * ring_record_bytes(dim) if cfg.recent_format == "int8" else dense_token
+    side = cfg.exact_prefix_tokens * dense_token + cfg.recent_window * ring_token
     slack = min_growth_blocks(t) - 1  # blocks past the needed ones a pool may hold (besides capacity / GROWTH_DIVISOR)
 
     def excess(n: int) -> float:  # falls as n grows (every term's slope is below dense_token)
@@ -257,9 +258,9 @@ class TurboQuantLayer(CacheLayerMixin):
             self.prefix_values = self._zeros(self.prefix_values, shape, self.exact_dtype)
             self.prefix_fill_until = self.layout.config.exact_prefix_tokens
         if was_empty and self.layout.config.recent_window:
-            shape = (rows, heads, self.layout.config.recent_window, dim)
-            self.recent_keys = self._zeros(self.recent_keys, shape, self.exact_dtype)
-            self.recent_values = self._zeros(self.recent_values, shape, self.exact_dtype)
+            shape, ring_dtype = self.layout.ring_spec(rows, self.layout.config.recent_window, self.exact_dtype)
+            self.recent_keys = self._zeros(self.recent_keys, shape, ring_dtype)
+            self.recent_values = self._zeros(self.recent_values, shape, ring_dtype)
             self.recent_from = 0
         self._recenter_pending = False
         # (read before the store below overwrites the ring slots of the oldest positions)
@@ -348,7 +349,7 @@ class TurboQuantLayer(CacheLayerMixin):
             ring, keep = pos[-w:] % w, kept[-w:, None]
             for buf, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
                 old = buf.index_select(2, ring)
-                buf.index_copy_(2, ring, torch.where(keep, x[:, :, -w:].to(buf.dtype), old))
+                buf.index_copy_(2, ring, torch.where(keep, reference.to_ring(x[:, :, -w:], buf.dtype), old))
         if self._prefix_open:
             self._copy_prefix(key_states, value_states, pos[0])
         self.seq_lens.add_(kept.sum().to(self.seq_lens.dtype))
@@ -623,7 +624,7 @@ class TurboQuantLayer(CacheLayerMixin):
         pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
         out = []
         for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
-            seq = x if ring is None else torch.cat([ring.index_select(2, pos[:w] % w).to(x.dtype), x], 2)
+            seq = x if ring is None else torch.cat([reference.ring_vectors(ring.index_select(2, pos[:w] % w)).to(x.dtype), x], 2)
             out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
         return out[0], out[1]
 

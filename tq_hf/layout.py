@@ -41,6 +41,11 @@ Packing of the codes inside one token's row (D = head_dim):
 Codebook key codes name a centroid through reference.stored_codes: 4-bit keys are sign-magnitude
 (bit 3 set for the negative half, low 3 bits the magnitude rank), 3-bit keys the level itself.
 
+The recent ring (recent_window) beside the pool, per row and KV head: W slots, position p at slot p % W.
+With recent_format "int8" a slot holds one record per key and per value of ring_record_bytes(D) bytes:
+D int8 codes c_i = floor(x_i / s + 1/2) clamped to [-127, 127], then the fp32 bytes of s = absmax(x) / 127
+(reference.encode_ring); x ~= c * s. With "exact" a slot holds the D elements in exact_dtype.
+
 Metadata meaning:
   * key_scale: codebook keys: the RMS of the key divided by the RMS of its codebook vector
     (norm correction) or the plain RMS; FP8 keys: amax / 448 rounded up.
@@ -57,6 +62,13 @@ from .config import METADATA_FIELDS, TurboQuantConfig
 
 KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
 METADATA_DTYPE = torch.bfloat16
+RING_SCALE_BYTES = 4  # an int8 ring record's fp32 scale, after its codes
+RING_CODE_MAX = 127
+
+
+def ring_record_bytes(head_dim: int) -> int:
+    """Bytes of one int8 ring record (recent_format "int8"): head_dim codes, then the fp32 scale."""
+    return head_dim + RING_SCALE_BYTES
 
 
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
@@ -131,6 +143,12 @@ class BlockLayout:
     @property
     def block_bytes(self) -> int:
         return self.num_kv_heads * self.plane_bytes
+
+    def ring_spec(self, rows: int, window: int, exact_dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of the ring's key (and value) buffer: int8 records or exact_dtype elements."""
+        if self.config.recent_format == "int8":
+            return (rows, self.num_kv_heads, window, ring_record_bytes(self.head_dim)), torch.int8
+        return (rows, self.num_kv_heads, window, self.head_dim), exact_dtype
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
         """A zeroed pool of `num_blocks` blocks."""

@@ -28,7 +28,17 @@ import torch
 
 from .codebook import _ordinary_tensors, lloyd_max, rotation_matrix
 from .config import TurboQuantConfig
-from .layout import KEY_SCALE, METADATA_DTYPE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
+from .layout import (
+    KEY_SCALE,
+    METADATA_DTYPE,
+    RING_CODE_MAX,
+    RING_SCALE_BYTES,
+    VALUE_MID,
+    VALUE_SCALE,
+    BlockLayout,
+    key_planes,
+    value_planes,
+)
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -290,9 +300,9 @@ def store(
     `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
     [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
     cache lays out an update).
-    `recent`: the exact ring (recent_keys, recent_values) [R, H, W, D] of recent_window: each row's last min(L, W)
-    tokens (of its L = N / R, at positions start .. start + L - 1) are copied there as they are, position p at
-    slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
+    `recent`: the ring (recent_keys, recent_values) [R, H, W, D] of recent_window, or [R, H, W, D + 4] int8 records
+    (layout.ring_spec): each row's last min(L, W) tokens (of its L = N / R, at positions start .. start + L - 1) are
+    written there, position p at slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
     """
     key, value = token_rows(key), token_rows(value)
     if recent is not None:
@@ -325,7 +335,7 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
 def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
                  start: int) -> None:
     """The last min(L, W) of each row's L new tokens (key/value [R * L, H, D], row-major; row r's token t at position
-    start + t) into the ring (keys, values) [R, H, W, D] at slot position % W, in the ring's dtype."""
+    start + t) into the ring (keys, values) at slot position % W: int8 records (encode_ring) or the ring's dtype."""
     ring_k, ring_v = recent
     rows, w = ring_k.shape[0], ring_k.shape[2]
     if rows == 0 or key.shape[0] % rows:
@@ -335,7 +345,32 @@ def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, v
     idx = (start + torch.arange(length - m, length, device=ring_k.device)) % w
     for ring, x in ((ring_k, key), (ring_v, value)):
         src = x.reshape(rows, length, *x.shape[1:])[:, length - m :]  # [R, m, H, D]
-        ring[:, :, idx] = src.transpose(1, 2).to(ring.dtype)
+        ring[:, :, idx] = to_ring(src.transpose(1, 2), ring.dtype)
+
+
+def encode_ring(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> int8 ring records [..., D + 4] (layout: recent_format "int8"): codes floor(x / s + 1/2) clamped to
+    [-127, 127], then the fp32 bytes of s = absmax / 127 (0 for a zero vector: codes 0)."""
+    x = x.float()
+    s = x.abs().amax(-1, keepdim=True) / RING_CODE_MAX
+    codes = torch.floor(x / torch.where(s > 0, s, 1.0) + 0.5).clamp(-RING_CODE_MAX, RING_CODE_MAX)
+    return torch.cat([codes.to(torch.int8), s.contiguous().view(torch.int8)], -1)
+
+
+def decode_ring(records: torch.Tensor) -> torch.Tensor:
+    """int8 ring records [..., D + 4] -> the vectors [..., D] as fp32 (codes x scale)."""
+    d = records.shape[-1] - RING_SCALE_BYTES
+    return records[..., :d].float() * records[..., d:].contiguous().view(torch.float32)
+
+
+def to_ring(x: torch.Tensor, ring_dtype: torch.dtype) -> torch.Tensor:
+    """Vectors [..., D] as a ring of `ring_dtype` holds them: int8 records, else cast."""
+    return encode_ring(x) if ring_dtype == torch.int8 else x.to(ring_dtype)
+
+
+def ring_vectors(ring: torch.Tensor) -> torch.Tensor:
+    """The vectors a ring holds, [..., D]: int8 records decoded (fp32), else the ring itself."""
+    return decode_ring(ring) if ring.dtype == torch.int8 else ring
 
 
 def per_token_offset(key_offset: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
@@ -394,12 +429,12 @@ def overlay_prefix(dense: torch.Tensor, prefix: torch.Tensor, kv_start: torch.Te
 
 def overlay_recent(dense: torch.Tensor, ring: torch.Tensor, seq_lens: torch.Tensor, recent_from: int) -> torch.Tensor:
     """dense [B, H, S, D] with positions j in [max(recent_from, seq_lens[b] - W), seq_lens[b]) taken
-    from ring[:, :, j % W] (ring [B, H, W, D])."""
+    from ring[:, :, j % W] (ring [B, H, W, D], or int8 records: ring_vectors)."""
     w = ring.shape[2]
     j = torch.arange(dense.shape[2], device=dense.device)
     lo = (seq_lens.long() - w).clamp_min(recent_from)
     inside = (j[None, :] >= lo[:, None]) & (j[None, :] < seq_lens.long()[:, None])  # [B, S]
-    picked = ring.float()[:, :, j % w]
+    picked = ring_vectors(ring).float()[:, :, j % w]
     return torch.where(inside[:, None, :, None], picked, dense)
 
 

@@ -26,7 +26,7 @@ def test_exact_buffers_shapes():
     layout = BlockLayout(make_config("4bit+defaults"), 3, 64)
     extra = exact_buffers(layout, 2, 4, 128, device="cpu")
     assert extra["prefix_keys"].shape == extra["prefix_values"].shape == (2, 3, 4, 64)
-    assert extra["recent_keys"].shape == extra["recent_values"].shape == (2, 3, 128, 64)
+    assert extra["recent_keys"].shape == extra["recent_values"].shape == (2, 3, 128, 64 + 4)  # int8 records
     assert extra["recent_from"] == 0 and extra["prefix_keys"].dtype == torch.float16
     assert not torch.equal(extra["prefix_keys"], extra["prefix_values"])
     assert exact_buffers(layout, 2, 0, 0, device="cpu") == {}
@@ -76,14 +76,19 @@ def test_decode_read_bytes_plain_format(preset, d):
 
 @pytest.mark.parametrize("preset, d", list(BY_HAND))
 def test_decode_read_bytes_with_prefix_and_ring(preset, d):
-    """+defaults: 4 exact leading tokens and a 128-token ring, read as fp16 K and V instead of the pool."""
+    """+defaults: 4 exact leading tokens read as fp16 K and V and a 128-token ring of int8 records (D codes and a
+    4-byte scale for K and for V), instead of the pool."""
     layout = BlockLayout(make_config(preset + "+defaults"), 4, d)
     cfg = layout.config
-    assert (cfg.exact_prefix_tokens, cfg.recent_window) == (4, 128)
-    exact = 2 * d * 2  # fp16 K + V of one (token, head)
-    assert decode_read_bytes(layout, 3, 1024, 4, 128) == 3 * 4 * ((1024 - 4 - 128) * BY_HAND[preset, d] + 132 * exact)
-    assert decode_read_bytes(layout, 1, 100, 4, 128) == 4 * 100 * exact  # the ring covers every position
-    assert decode_read_bytes(layout, 1, 130, 4, 128) == 4 * 130 * exact  # ring 2..129, prefix 0..1, pool none
+    assert (cfg.exact_prefix_tokens, cfg.recent_window, cfg.recent_format) == (4, 128, "int8")
+    exact, ring = 2 * d * 2, 2 * (d + 4)  # fp16 K + V of one (token, head); its two ring records
+    assert decode_read_bytes(layout, 3, 1024, 4, 128) == 3 * 4 * ((1024 - 4 - 128) * BY_HAND[preset, d] + 4 * exact
+                                                                   + 128 * ring)
+    assert decode_read_bytes(layout, 1, 100, 4, 128) == 4 * 100 * ring  # the ring covers every position
+    assert decode_read_bytes(layout, 1, 130, 4, 128) == 4 * (2 * exact + 128 * ring)  # ring 2..129, prefix 0..1
+    kw = exact_buffers(layout, 2, 4, 16, device="cpu")
+    assert kw["recent_keys"].dtype == torch.int8 and kw["recent_keys"].shape == (2, 4, 16, d + 4)
+    assert exact_buffers(layout, 2, 4, 16, device="cpu", ring_records=False)["recent_keys"].dtype == torch.float16
 
 
 def test_fp16_bytes_and_floor():

@@ -193,18 +193,22 @@ def recent_range(seq_len: int, window: int, recent_from: int) -> range:
 
 
 def recent_ring(layout: BlockLayout, rows: int, window: int, dtype=torch.float32,
-                device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+                device=DEVICE, records: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Random recent_window rings [rows, H, W, D], independent of the pool's keys/values and
-    off-centre, so reading the pool (or the prefix) at ring positions lands far from the spec."""
+    off-centre, so reading the pool (or the prefix) at ring positions lands far from the spec;
+    records: as int8 ring records (reference.encode_ring), each slot at its own scale."""
     shape = (rows, layout.num_kv_heads, window, layout.head_dim)
     keys = torch.randn(shape, device=device) * 2.5
     values = torch.randn(shape, device=device) * 2 - 1.0
+    if records:  # scales over three decades, so a record read at another's scale shows
+        spread = 10.0 ** torch.randint(-1, 2, (*shape[:3], 1), device=device).float()
+        return reference.encode_ring(keys * spread), reference.encode_ring(values * spread.flip(2))
     return keys.to(dtype), values.to(dtype)
 
 
 def poisoned_exact_buffers(pool: torch.Tensor, layout: BlockLayout, table: torch.Tensor, lens: list[int],
                            starts: list[int], prefix_len: int = 0, recent: tuple[int, int] | None = None,
-                           dtype=torch.float32, device=DEVICE) -> dict:
+                           dtype=torch.float32, device=DEVICE, ring_records: bool = False) -> dict:
     """unified_attention's exact buffers for a test, with what they serve poisoned elsewhere: prefix_len P > 0 gives
     exact prefix buffers and NaN pool slots at positions kv_start + s (s < P); recent=(W, recent_from) a ring, NaN
     pool slots at its positions and NaN prefix entries the ring covers (the ring wins there, as in
@@ -218,7 +222,7 @@ def poisoned_exact_buffers(pool: torch.Tensor, layout: BlockLayout, table: torch
         w, kw["recent_from"] = recent
         ranges = [recent_range(n, w, kw["recent_from"]) for n in lens]
         poison_positions(pool, layout, table, list(enumerate(ranges)))
-        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, len(lens), w, dtype, device)
+        kw["recent_keys"], kw["recent_values"] = recent_ring(layout, len(lens), w, dtype, device, ring_records)
         for r, (st, ring) in enumerate(zip(starts, ranges)):
             for s in range(prefix_len):  # prefix entries the ring serves must stay unread
                 if st + s in ring:

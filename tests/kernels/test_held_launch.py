@@ -198,7 +198,7 @@ class Twins:
     def poison(self, buffers: list[torch.Tensor]) -> None:
         """Buffers the kernel-path layer no longer uses: any stale read or write shows."""
         for t in buffers:
-            t.fill_(0xFF if t.dtype == torch.uint8 else float("nan"))
+            t.fill_(0xFF if t.dtype == torch.uint8 else 127 if t.dtype == torch.int8 else float("nan"))
 
 
 @pytest.mark.parametrize("drops", [True, False], ids=["layer drops", "signature alone"])

@@ -21,16 +21,18 @@ from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_pr
                             poisoned_exact_buffers, recent_ring, rel_error)
 
 
-def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, recent=None, **kw):
+def _check(layout, lens, q_len, group, dtype=torch.float32, device=DEVICE, prefix_len=0, recent=None,
+           ring_records=False, **kw):
     """Kernel vs reference on a fresh cache. prefix_len P > 0: exact_prefix_tokens buffers are
     passed and the pool's slots at positions kv_start + s (s < P) are poisoned (NaN), so the
     kernel must take those positions from the buffers. recent=(W, recent_from): a recent_window
     ring is passed and the pool's slots at its positions are poisoned too, as are the prefix
-    entries the ring covers (the ring wins there, as in reference.overlay_recent)."""
+    entries the ring covers (the ring wins there, as in reference.overlay_recent); ring_records: the ring as int8
+    records (recent_format "int8")."""
     pool, table = fill_cache(layout, lens, device, key_offset=kw.get("key_offset"))
     b = len(lens)
     starts = [0] * b if kw.get("kv_start") is None else kw["kv_start"].tolist()
-    kw.update(poisoned_exact_buffers(pool, layout, table, lens, starts, prefix_len, recent, dtype, device))
+    kw.update(poisoned_exact_buffers(pool, layout, table, lens, starts, prefix_len, recent, dtype, device, ring_records))
     query = torch.randn(b, layout.num_kv_heads * group, q_len, layout.head_dim, device=device).to(dtype)
     seq_lens = torch.tensor(lens, device=device)
     scale = default_scale(layout.head_dim)
@@ -386,6 +388,29 @@ def test_recent_window_decode(preset, options, prefix_len, recent, dtype):
     # without the exact program (a full GPU's choice): the last split walks the ring
     _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=prefix_len, recent=recent, num_splits=3,
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=False), **kw)
+
+
+# int8 ring records (recent_format "int8", the default): the exact program and the last split, 4-bit values as
+# nibble columns and rotated, FP8 and 3-bit keys, two KV heads per program at head_dim 128, and a prefill
+@pytest.mark.parametrize("preset,options,head_dim,dtype,exact_program", [
+    ("4bit", True, 64, torch.float16, True),
+    ("4bit", False, 64, torch.float32, False),
+    ("k8v4", True, 64, torch.bfloat16, True),
+    ("k3v4", True, 128, torch.float16, False),
+    ("3bit", False, 128, torch.float32, True),
+])
+def test_int8_ring_records_decode(preset, options, head_dim, dtype, exact_program):
+    layout = make_layout(preset, 2, head_dim, key_centering=options, value_rotation=options)
+    kw = _fidelity_options(layout, 4) if options else {"softcap": 5.0}
+    _check(layout, [3, 37, 90], 1, 4, dtype=dtype, prefix_len=2, recent=(16, 0), ring_records=True, num_splits=3,
+           kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
+
+
+@pytest.mark.parametrize("preset,dtype", [("4bit", torch.float16), ("k8v4", torch.float32)])
+def test_int8_ring_records_prefill(preset, dtype):
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    _check(layout, [30, 61], 7, 4, dtype=dtype, prefix_len=2, recent=(12, 27), ring_records=True, sliding_window=40,
+           kv_start=torch.tensor([6, 0], device=DEVICE), **_fidelity_options(layout, 4))
 
 
 def test_ring_tile_refused():

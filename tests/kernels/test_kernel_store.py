@@ -106,6 +106,9 @@ def test_store_per_row_key_offset_matches_reference(preset):
     (2, 23, 32, 5, torch.bfloat16, torch.bfloat16),
     (2, 40, 16, 9, torch.float32, torch.float32),
     (1, 7, 8, 0, torch.bfloat16, torch.float32),
+    (3, 1, 16, 37, torch.float16, torch.int8),  # int8 ring records (recent_format "int8"), bit for bit
+    (2, 40, 16, 9, torch.bfloat16, torch.int8),
+    (2, 23, 32, 5, torch.float32, torch.int8),
 ])
 def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype, ring_dtype):
     layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
@@ -114,8 +117,12 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
     value = torch.randn(n, 2, 64, device=DEVICE).to(dtype)
     slots = torch.randperm(n + 20, device=DEVICE)[:n]
     mu = torch.randn(rows, 2, 64, device=DEVICE)
-    ring = torch.full((rows, 2, w, 64), 1234.0, dtype=ring_dtype, device=DEVICE)  # poison: untouched slots keep it
-    got_ring, want_ring = (ring.clone(), ring.clone() * 2), (ring.clone(), ring.clone() * 2)
+    if ring_dtype == torch.int8:
+        key[: n // 2, 1] *= 1e4 if dtype != torch.float16 else 1e2  # large activations: finite records
+        key[n // 2, 0] = 0  # a zero vector: scale 0, codes 0
+    poison, width = (90, 64 + 4) if ring_dtype == torch.int8 else (1234.0, 64)
+    ring = torch.full((rows, 2, w, width), poison, dtype=ring_dtype, device=DEVICE)  # poison: untouched slots keep it
+    got_ring, want_ring = (ring.clone(), ring.clone() - 1), (ring.clone(), ring.clone() - 1)
     got_len = torch.full((rows,), -7, dtype=torch.int32, device=DEVICE)
     want_len = got_len.clone()
     got = layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5)
@@ -127,7 +134,14 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
         bad = (g != e).nonzero()
         assert bad.numel() == 0, f"ring {what}: {bad.shape[0]} elements differ, first at {bad[:3].tolist()}"
     written = min(length, w)  # the spec wrote this many slots per row and head; the rest still hold the poison
-    assert int((want_ring[0] != 1234.0).any(-1).sum()) == rows * 2 * written
+    assert int((want_ring[0] != poison).any(-1).sum()) == rows * 2 * written
+    if ring_dtype == torch.int8:  # the records hold the tokens to half a code step (an independent decode)
+        got_k = got_ring[0][..., :64].float() * got_ring[0][..., 64:].contiguous().view(torch.float32)
+        last = key.float().reshape(rows, length, 2, 64)[:, length - written :].transpose(1, 2)
+        slots_of = (start + torch.arange(length - written, length, device=DEVICE)) % w
+        step = last.abs().amax(-1, keepdim=True) / 127
+        assert bool(((got_k[:, :, slots_of] - last).abs() <= step * 0.5 * (1 + 1e-5)).all())
+        assert torch.isfinite(got_k).all()
     assert got_len.tolist() == want_len.tolist() == [start + length] * rows
 
 

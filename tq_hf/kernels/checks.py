@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..config import MAX_EXACT_PREFIX
-from ..layout import BlockLayout
+from ..layout import BlockLayout, ring_record_bytes
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ring slots the kernels take: recent_window, or a multi-token forward's ring (that window and its own tokens)
@@ -99,17 +99,29 @@ def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, lette
         raise ValueError(f"{k_name} and {v_name} ({option}) must be given together, or neither")
     if keys is None:
         return 0
-    expected = f"[{batch}, {layout.num_kv_heads}, {letter}, {layout.head_dim}] with 1 <= {letter} <= {limit}"
+    records = kind == "recent" and keys.dtype == torch.int8  # int8 ring records (layout.ring_spec)
+    width = ring_record_bytes(layout.head_dim) if records else layout.head_dim
+    expected = (f"[{batch}, {layout.num_kv_heads}, {letter}, {width}] with 1 <= {letter} <= {limit}"
+                + (" (int8 ring records: head_dim codes and an fp32 scale)" if records else ""))
     for name, t in ((k_name, keys), (v_name, values)):
-        check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
+        check_tensor(name, t, dim=4, dtypes=(torch.int8,) if records else ACTIVATION_DTYPES, device=device)
         b, hk, n, d = t.shape
-        if (b, hk, d) != (batch, layout.num_kv_heads, layout.head_dim) or not 1 <= n <= limit:
+        if (b, hk, d) != (batch, layout.num_kv_heads, width) or not 1 <= n <= limit:
             raise ValueError(f"{name} must be {expected} (rows, KV heads, {slot_word}, head_dim), got {list(t.shape)}")
+        if records:
+            check_ring_alignment(name, t)
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension")
     if keys.shape != values.shape:
         raise ValueError(f"{k_name} {list(keys.shape)} and {v_name} {list(values.shape)} must have the same shape")
     return keys.shape[2]
+
+
+def check_ring_alignment(name: str, t: torch.Tensor) -> None:
+    """int8 ring records [.., .., W, D + 4] keep each fp32 scale on a 4-byte boundary (the kernels load it as fp32)."""
+    if t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) % 4 or t.storage_offset() % 4:
+        raise ValueError(f"{name}: int8 ring records must keep their fp32 scales 4-byte aligned (strides and offset "
+                         f"multiples of 4), got strides {t.stride()} and offset {t.storage_offset()}")
 
 
 def check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, device) -> int:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..layout import BlockLayout
+from ..reference import ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
 from .dequantize import dequantize_rotated
@@ -89,8 +90,8 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
             lo = length
             if recent_keys is not None:  # the ring serves [lo, length), over the prefix where they meet
                 lo = max(recent_from, length - recent_keys.shape[2], 0)
-                _copy_ring(k, _rotated(recent_keys[rows], rot_t, dtype), lo, length)
-                _copy_ring(v, _rotated(recent_values[rows], vrot_t, dtype), lo, length)
+                _copy_ring(k, _rotated(ring_vectors(recent_keys[rows]), rot_t, dtype), lo, length)
+                _copy_ring(v, _rotated(ring_vectors(recent_values[rows]), vrot_t, dtype), lo, length)
             p = min(prefix_len, lo)
             if p:
                 k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from ..codebook import is_symmetric
-from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, ring_record_bytes, value_planes
 from ..reference import token_rows
-from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_tensor
+from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_ring_alignment, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, holdable_offset
@@ -154,6 +154,21 @@ def _token_planes(slot, ok, pool_ptr, block_bytes, head_bytes, T: tl.constexpr):
     return pool_ptr + blk * block_bytes + head_bytes, off
 
 
+@triton.jit
+def _write_ring(ring_ptr, ring_row, cols, raw, rmask, in_ring, D: tl.constexpr, RING_Q8: tl.constexpr):
+    """Tokens into their ring slots (row offsets ring_row): as they are, in the ring's dtype, or as int8 records
+    (reference.encode_ring, bit for bit: codes floor(x / s + 1/2), s = absmax / 127, then s's fp32 bytes)."""
+    if RING_Q8:
+        x = tl.where(rmask, raw.to(tl.float32), 0.0)
+        s = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
+        c = tl.floor(tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None]) + 0.5)
+        c = tl.minimum(tl.maximum(c, -127.0), 127.0)
+        tl.store(ring_ptr + ring_row[:, None] + cols[None, :], c.to(tl.int8), mask=rmask)
+        tl.store((ring_ptr + ring_row + D).to(tl.pointer_type(tl.float32)), s, mask=in_ring)
+    else:
+        tl.store(ring_ptr + ring_row[:, None] + cols[None, :], raw.to(ring_ptr.dtype.element_ty), mask=rmask)
+
+
 # slot_shift, ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
 @triton.jit(do_not_specialize=["slot_shift", "ring_start", "new_len"])
 def _store_kernel(
@@ -168,7 +183,7 @@ def _store_kernel(
     koff_ptr, s_koff, tokens_per_row,  # fp32 key_centering mean [H, D] (s_koff 0) or [R, H, D] per row, if HAS_KEY_OFFSET
     vrot_ptr,  # [D, D] fp32 value rotation Rv (stored = v @ Rv^T), if VALUE_ROT
     N, block_bytes, plane_bytes,
-    rk_ptr, rv_ptr, s_rb, s_rh, s_rw, ring_w,  # [R, H, W, D] exact recent ring (keys, values), if HAS_RING
+    rk_ptr, rv_ptr, s_rb, s_rh, s_rw, ring_w,  # [R, H, W, D] recent ring (keys, values) or int8 records, if HAS_RING
     ring_start,  # the position of each row's first new token (token n: row n // tokens_per_row)
     seq_ptr, new_len,  # [R] int32 row lengths, set to new_len, if HAS_SEQ
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
@@ -180,6 +195,7 @@ def _store_kernel(
     SYMMETRIC: tl.constexpr,  # 4-bit codebook exactly symmetric in fp32: _bucket_sign_magnitude
     HADAMARD: tl.constexpr,  # rotation="hadamard": rotations built in registers (hadamard_dot), R / Rv not read
     HAS_RING: tl.constexpr, HAS_SEQ: tl.constexpr,
+    RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -201,15 +217,15 @@ def _store_kernel(
     t_row = n % tokens_per_row
     in_ring = (n < N) & (t_row >= tokens_per_row - ring_w)
     rmask = in_ring[:, None] & (cols[None, :] < D)
-    ring_off = ((n // tokens_per_row).to(tl.int64) * s_rb + h * s_rh
-                + ((ring_start + t_row) % tl.maximum(ring_w, 1)).to(tl.int64) * s_rw)[:, None] + cols[None, :]
+    ring_row = ((n // tokens_per_row).to(tl.int64) * s_rb + h * s_rh
+                + ((ring_start + t_row) % tl.maximum(ring_w, 1)).to(tl.int64) * s_rw)
 
     if part == 0:
         # ---------------- keys ----------------
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
-            raw = tl.load(kbase[:, None] + cols[None, :], mask=rmask)
-            tl.store(rk_ptr + ring_off, raw.to(rk_ptr.dtype.element_ty), mask=rmask)
+            _write_ring(rk_ptr, ring_row, cols, tl.load(kbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
+                        D, RING_Q8)
         if HAS_SEQ:  # the rows' new lengths, by each row's last token (the keys' programs of head 0)
             if h == 0:
                 last = (n < N) & (t_row == tokens_per_row - 1)
@@ -262,8 +278,8 @@ def _store_kernel(
         # ---------------- values ----------------
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
-            raw = tl.load(vbase[:, None] + cols[None, :], mask=rmask)
-            tl.store(rv_ptr + ring_off, raw.to(rv_ptr.dtype.element_ty), mask=rmask)
+            _write_ring(rv_ptr, ring_row, cols, tl.load(vbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
+                        D, RING_Q8)
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         HALF: tl.constexpr = LEVELS / 2
         if VALUE_BITS == 4:
@@ -423,11 +439,15 @@ def _check_ring(ring_k, ring_v, seq_lens, layout, key, device) -> int | None:
     """The row count the ring and seq_lens imply (None: neither given), after checking them."""
     rows = None
     if ring_k is not None:
+        records = ring_k.dtype == torch.int8  # int8 ring records (layout.ring_spec)
+        width = ring_record_bytes(layout.head_dim) if records else layout.head_dim
         for name, t in (("recent keys", ring_k), ("recent values", ring_v)):
-            check_tensor(name, t, dim=4, dtypes=ACTIVATION_DTYPES, device=device)
-            if t.shape[1] != layout.num_kv_heads or t.shape[3] != layout.head_dim or t.shape[2] < 1:
-                raise ValueError(f"{name} must be [rows, {layout.num_kv_heads}, W >= 1, {layout.head_dim}] for this "
-                                 f"layout, got {list(t.shape)}")
+            check_tensor(name, t, dim=4, dtypes=(torch.int8,) if records else ACTIVATION_DTYPES, device=device)
+            if t.shape[1] != layout.num_kv_heads or t.shape[3] != width or t.shape[2] < 1:
+                raise ValueError(f"{name} must be [rows, {layout.num_kv_heads}, W >= 1, {width}] for this layout"
+                                 f"{' (int8 ring records)' if records else ''}, got {list(t.shape)}")
+            if records:
+                check_ring_alignment(name, t)
         if ring_v.shape != ring_k.shape or ring_v.stride() != ring_k.stride() or ring_k.stride(-1) != 1:
             raise ValueError(f"recent keys and values must have one shape and the same strides, contiguous in "
                              f"head_dim, got {list(ring_k.shape)} {ring_k.stride()} and {list(ring_v.shape)} "
@@ -496,6 +516,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
             HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t, HADAMARD=cfg.rotation == "hadamard",
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
             HAS_RING=ring_k is not None, HAS_SEQ=seq_lens is not None,
+            RING_Q8=ring_k is not None and ring_k.dtype == torch.int8,
             num_warps=num_warps,
         ))
     ring_scalars = (*ring_k.stride()[:3], ring_k.shape[2]) if ring_k is not None else (0, 0, 0, 0)

@@ -26,27 +26,37 @@ from .softmax import add_pairs, log2_logits, rescaled_dot, softmax_p, softmax_st
 
 @triton.jit
 def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
-    """Columns `cols` of the exact values [N, D] (prefix or ring), as fp32."""
-    v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0.0)
+    """Columns `cols` of the exact values [N, D] (prefix or ring; an int8 ring's codes), as fp32."""
+    v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0)
     return v.to(tl.float32)
 
 
 @triton.jit
-def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HEADS_PER_PROGRAM: tl.constexpr, PREC: tl.constexpr):
+def _record_scales(base, s_pos, pc, p_ok, D: tl.constexpr):
+    """The fp32 scales of int8 ring records at rows `pc` (layout: after each record's D codes)."""
+    return tl.load((base + pc * s_pos + D).to(tl.pointer_type(tl.float32)), mask=p_ok, other=0.0)
+
+
+@triton.jit
+def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HEADS_PER_PROGRAM: tl.constexpr,
+                  PREC: tl.constexpr, Q8: tl.constexpr, D: tl.constexpr):
     """acc + p . (columns `cols` of the exact values), each of the HEADS_PER_PROGRAM heads' values (s_vh apart) with
-    only its own rows of p; PREC: the dots' input_precision."""
+    only its own rows of p; PREC: the dots' input_precision. Q8: int8 records, p scaled by each record's scale."""
     for j in tl.static_range(HEADS_PER_PROGRAM):
         if HEADS_PER_PROGRAM == 1:
             p_j = p
         else:
             p_j = tl.where(sub[:, None] == j, p, 0.0)
+        if Q8:
+            p_j = p_j * _record_scales(v_base + j * s_vh, s_v, rows, ok, D)[None, :]
         acc = tl.dot(p_j, _exact_value_cols(v_base + j * s_vh, s_v, rows, ok, cols, col_ok), acc, input_precision=PREC)
     return acc
 
 
 @triton.jit
 def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_kh, s_k, v_base, s_vh, s_v, rows, pos,
-                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HEADS_PER_PROGRAM: tl.constexpr, EXACT_16: tl.constexpr, D: tl.constexpr,
+                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, HEADS_PER_PROGRAM: tl.constexpr,
+                EXACT_16: tl.constexpr, Q8: tl.constexpr, D: tl.constexpr,
                 VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
                 PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
@@ -59,7 +69,9 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
     HEADS_PER_PROGRAM KV heads (buffers s_kh / s_vh apart): each head's dots see only its rows (sub), one softmax.
     EXACT_16: the query and buffers share a 16-bit dtype: the scores by that dtype's MMA (exact products,
     fp32 sums) and the values' dots in one tf32 pass (p rounded to 11 bits; the values are exact in tf32),
-    instead of three tf32 passes each (offline sm_90a: fewer instructions and spills per ring tile)."""
+    instead of three tf32 passes each (offline sm_90a: fewer instructions and spills per ring tile).
+    Q8: the buffers hold int8 ring records (layout.ring_spec): the codes enter the dots exactly (in the query's
+    dtype, q_row's), the scores are scaled by each key's scale and p by each value's."""
     PREC: tl.constexpr = "tf32" if EXACT_16 else "tf32x3"
     s = None
     for j in tl.static_range(HEADS_PER_PROGRAM):
@@ -67,8 +79,18 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
             q_j = q
         else:
             q_j = tl.where(sub[:, None] == j, q, 0.0)
-        k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0.0)
-        if EXACT_16:  # q_j holds values of k's dtype (the query's own): exact there
+        k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0)
+        if Q8:
+            if EXACT_16:  # int8 codes and q_j's values are exact in the query's 16-bit dtype
+                s_j = tl.dot(q_j.to(q_row.dtype.element_ty), tl.trans(k.to(q_row.dtype.element_ty)))
+            else:
+                s_j = tl.dot(q_j, tl.trans(k.to(tl.float32)), input_precision="tf32x3")
+            s_j = s_j * _record_scales(k_base + j * s_kh, s_k, rows, ok, D)[None, :]
+            if j == 0:
+                s = s_j
+            else:
+                s = s + s_j
+        elif EXACT_16:  # q_j holds values of k's dtype (the query's own): exact there
             s = tl.dot(q_j.to(k.dtype), tl.trans(k), s)
         else:
             s = tl.dot(q_j, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
@@ -83,7 +105,7 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
         acc1 = acc1 * alpha[:, None]
         acc2 = acc2 * alpha[:, None]
         acc3 = acc3 * alpha[:, None]
-        acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC)
+        acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     elif VALUE_BITS == 4 or VALUE_PLANES:
         v_ok = vcol < (D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2)
         # the codes' fp16 scale: subnormals x 2**-24 (high nibbles 2**-20) from words, 1024-offset bytes (16 x),
@@ -92,16 +114,16 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
         p_hi = p * (9.5367431640625e-07 if VALUE_WORDS else (5.960464477539063e-08 if PLANE_WORDS else
                                                               (1.0 if VALUE_PLANES else 16.0)))
         acc0 = _exact_values(p_lo, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
+                             value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
         acc1 = _exact_values(p_hi, acc1 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
+                             value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
         if VALUE_WORDS or PLANE_WORDS:
             acc2 = _exact_values(p_lo, acc2 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
+                                 value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
             acc3 = _exact_values(p_hi, acc3 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC)
+                                 value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     else:
-        acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC)
+        acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc
 
 

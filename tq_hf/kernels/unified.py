@@ -98,8 +98,8 @@ def _attn_kernel(
     pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
     pv_ptr, s_pvb, s_pvh, s_pvp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix values, if HAS_PREFIX
     prefix_len,  # P: positions kv_start + s, s < P, are read from the prefix buffers
-    rk_ptr, s_rkb, s_rkh, s_rkp,  # [B, Hk, W, D] exact recent keys (ring: position j at slot j % W), if HAS_RECENT
-    rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] exact recent values, if HAS_RECENT
+    rk_ptr, s_rkb, s_rkh, s_rkp,  # [B, Hk, W, D] recent keys (ring: position j at slot j % W; or int8 records), if HAS_RECENT
+    rv_ptr, s_rvb, s_rvh, s_rvp,  # [B, Hk, W, D] recent values (or int8 records), if HAS_RECENT
     recent_size, recent_from,  # W; positions [max(recent_from, seq_len - W), seq_len) are read from the ring
     Lq, num_splits, sm_scale, softcap, window, block_bytes, plane_bytes,
     D: tl.constexpr, DP: tl.constexpr, HALF_DP: tl.constexpr, CODE_GROUPS: tl.constexpr, G: tl.constexpr,
@@ -112,6 +112,7 @@ def _attn_kernel(
     HAS_PREFIX: tl.constexpr, PREFIX_TILE: tl.constexpr, HAS_RECENT: tl.constexpr, RING_TILE: tl.constexpr,
     EXACT_ACC: tl.constexpr,  # VALUE_ROT and (HAS_PREFIX or HAS_RECENT): exact values accumulate unrotated
     EXACT_16: tl.constexpr,  # the query and the exact buffers share a 16-bit dtype (exact_tile's dots)
+    RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
     ROTATION_STEP: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
@@ -356,7 +357,7 @@ def _attn_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkh, s_pkp, pv_row, s_pvh, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, sub, HEADS_PER_PROGRAM, EXACT_16, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, sub, q_row, HEADS_PER_PROGRAM, EXACT_16, False, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
         if split == exact_split_last:
@@ -368,8 +369,8 @@ def _attn_kernel(
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                     q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkh, s_rkp, v_ring, s_rvh, s_rvp,
-                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, HEADS_PER_PROGRAM, EXACT_16,
-                    D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, HEADS_PER_PROGRAM,
+                    EXACT_16, RING_Q8, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
     has = l_i > 0

@@ -177,8 +177,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
     # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
+    # (an int8 ring's codes are exact in either 16-bit dtype)
+    ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and ptx)) and all(
-        x.dtype == query.dtype for x in exact_buffers if x is not None)
+        x.dtype in (query.dtype, torch.int8) for x in exact_buffers if x is not None)
 
     ring_n = min(32, max(16, next_pow2(recent_size)))  # the recent window's tile, tokens
     if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
@@ -205,7 +207,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
         EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
-        EXACT_16=exact16,
+        EXACT_16=exact16, RING_Q8=ring_q8,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
         LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
