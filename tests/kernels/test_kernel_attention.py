@@ -613,6 +613,27 @@ def test_gpu_fp8_verification_tiles(q_len, block_m):
     assert (seen["BLOCK_M"], seen["VALUE_WORDS"]) == (block_m, block_m == 16), seen
 
 
+@pytest.mark.parametrize("q_len,options,block_m", [(8, True, 16), (1, True, 16), (16, True, 64), (8, False, 32)])
+def test_gpu_three_bit_verification_tiles(q_len, options, block_m):
+    """3bit with its levers at head_dim 128, GQA 4, on an H200: a forward of up to 8 new tokens (32 rows) takes
+    16-row tiles, each walking the history; 16 tokens, and the plain format, keep the wider tiles."""
+    layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
+    pool, table = fill_cache(layout, [64], "cpu")
+    kw = {"key_offset": torch.zeros(1, 8, 128)} if options else {}
+    seen = _gpu_launch(torch.randn(1, 32, q_len, 128, dtype=torch.float16), pool, layout, table,
+                       torch.tensor([64 + q_len]), 0.1, max_seq_len=32768, **kw)
+    assert seen["BLOCK_M"] == block_m, seen
+
+
+@pytest.mark.slow
+def test_three_bit_verification_forward_on_16_row_tiles():
+    """3bit, 8 new tokens over a history with every lever, on a GPU's 16-row tiles (two per KV head, each split over
+    the walk), against the reference."""
+    layout = make_layout("3bit", 2, 128, key_centering=True, value_rotation=True)
+    _check(layout, [70, 141], 8, 4, prefix_len=4, recent=(24, 0), kv_start=torch.tensor([0, 5], device=DEVICE),
+           launch=LaunchConfig(block_m=16), num_splits=3, **_fidelity_options(layout, 4))
+
+
 @pytest.mark.slow
 def test_fp8_verification_forward():
     """8 and 16 new tokens over a history with every lever (a GPU's 16-row tiles: 2 and 4 per KV head, each split
