@@ -224,7 +224,7 @@ def test_keys_and_values_read_like_a_dynamic_layer():
     assert keys.shape == values.shape == k.shape and keys.dtype == values.dtype == torch.bfloat16
     want_k, want_v = layer.dequantized(torch.float32)
     assert torch.equal(keys, want_k.to(torch.bfloat16)) and torch.equal(values, want_v.to(torch.bfloat16))
-    assert torch.equal(keys[:, :, -4:], ring_round_trip(k[:, :, -4:]))  # the ring's int8 records
+    assert torch.equal(keys[:, :, -4:], k[:, :, -4:])  # the exact ring
     assert not torch.equal(keys[:, :, 5:10], k[:, :, 5:10])  # the compressed middle
     with pytest.raises(AttributeError, match="read-only"):
         layer.keys = k
@@ -351,19 +351,20 @@ def test_4bit_footprint_is_under_030_of_fp16(decode, prompt, levers):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,limit", [(1000, 0.35), (1024, 0.35), (4096, 0.30), (4097, 0.30)])
-def test_4bit_footprint_with_its_levers(dtype, tokens, limit):
-    """4bit with every lever at its default (centering, value rotation, 4 exact prefix tokens, the 128-token int8
-    ring), head_dim 128: everything the cache allocates <= 0.35x an fp16 DynamicCache of the same tokens at 1k
+def test_4bit_footprint_with_an_int8_ring(dtype, tokens, limit):
+    """4bit with every lever on (centering, value rotation, 4 exact prefix tokens) and the 128-token ring in int8
+    records, head_dim 128: everything the cache allocates <= 0.35x an fp16 DynamicCache of the same tokens at 1k
     tokens and <= 0.30x from 4k, for an fp16 and a float32 model."""
     layers, rows, kv_heads = 2, 2, 2
     cfg = llama_config(layers, kv_heads=kv_heads, head_dim=128)
-    cache = TurboQuantCache(cfg, tq_config=TurboQuantConfig.from_preset("4bit", full_precision_layers=()))
+    cache = TurboQuantCache(cfg, tq_config=TurboQuantConfig.from_preset("4bit", full_precision_layers=(),
+                                                                       recent_format="int8"))
     for n in (tokens - 3, 1, 1, 1):
         for i in range(layers):
             shape = (rows, kv_heads, n, 128)
             cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), i)
     layer = cache.layers[0]
-    assert layer.recent_keys.dtype == torch.int8 and layer.recent_keys.shape == (rows, kv_heads, 128, 132)
+    assert layer.recent_keys.dtype == torch.int8 and layer.recent_keys.shape == (rows, kv_heads, 128, 144)
     ratio = cache.memory_footprint() / fp16_dynamic_bytes(layers, rows, tokens, kv_heads, 128)
     assert ratio <= limit, f"footprint {ratio:.3f}x of fp16 at {tokens} tokens"
 
@@ -383,10 +384,13 @@ def test_boundary_layers_ratio(capsys):
         print(f"\n[memory] 4bit, 32 layers, boundary layers (0, 1, -2, -1) dense fp16: {ratio:.3f}x fp16")
 
 
-def test_recent_window_ring_after_crop_matches_the_exact_history():
-    """Ring slots of cropped positions get overwritten by later tokens; only what is still valid is exact."""
+@pytest.mark.parametrize("recent_format", ["exact", "int8"])
+def test_recent_window_ring_after_crop_matches_the_exact_history(recent_format):
+    """Ring slots of cropped positions get overwritten by later tokens; only what is still valid is read from the
+    ring (exact, or as its int8 records hold it)."""
     w = 4
-    cache = new_cache(layers=1, recent_window=w)
+    cache = new_cache(layers=1, recent_window=w, recent_format=recent_format)
+    held = ring_round_trip if recent_format == "int8" else (lambda x: x)
     layer = cache.layers[0]
     k1, v1 = kv(2, 10)
     cache.update(k1, v1, 0)
@@ -398,13 +402,13 @@ def test_recent_window_ring_after_crop_matches_the_exact_history():
     got_k, got_v = layer.dequantized()
     exact_from = 6  # positions 3..5 were in the last W before the crop, but their slots hold 7..9 now
     assert_close(got_k[:, :, :exact_from], qk[:, :, :exact_from], atol=1e-5, what="compressed keys")
-    assert_close(got_k[:, :, exact_from:], ring_round_trip(keys[:, :, exact_from:]), atol=1e-6, what="ring key")
-    assert_close(got_v[:, :, exact_from:], ring_round_trip(values[:, :, exact_from:]), atol=1e-6, what="ring value")
+    assert_close(got_k[:, :, exact_from:], held(keys[:, :, exact_from:]), atol=1e-6, what="ring key")
+    assert_close(got_v[:, :, exact_from:], held(values[:, :, exact_from:]), atol=1e-6, what="ring value")
     for _ in range(5):  # the ring fills up again: the last W positions exact
         k3, v3 = kv(2, 1)
         cache.update(k3, v3, 0)
         keys, values = torch.cat([keys, k3], 2), torch.cat([values, v3], 2)
     got_k, _ = layer.dequantized()
     qk, _ = fake_quantize(keys, values, layer.layout.config)
-    assert_close(got_k[:, :, -w:], ring_round_trip(keys[:, :, -w:]), atol=1e-6, what="ring keys after refill")
+    assert_close(got_k[:, :, -w:], held(keys[:, :, -w:]), atol=1e-6, what="ring keys after refill")
     assert_close(got_k[:, :, :-w], qk[:, :, :-w], atol=1e-5, what="compressed keys after refill")

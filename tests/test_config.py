@@ -34,7 +34,7 @@ def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
     assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (True, True, 4, 128)
     assert all(TurboQuantConfig.from_preset(p).key_centering for p in PRESETS)  # FP8 keys too (Qwen2.5's biases)
-    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5 and cfg.recent_format == "int8"
+    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5 and cfg.recent_format == "exact"
 
 
 @pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),

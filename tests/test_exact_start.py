@@ -13,7 +13,7 @@ from tq_hf.layout import BlockLayout
 
 pytestmark = pytest.mark.exact_start
 
-# a short exact start (head_dim 32: 33 tokens in float32 with an exact ring, 19 with the default int8 ring)
+# a short exact start (head_dim 32: 33 tokens in float32 with an exact ring, 19 with an int8 ring)
 SMALL = dict(recent_window=16, exact_prefix_tokens=2, recent_format="exact")
 
 
@@ -40,10 +40,10 @@ def dense_bytes(cache, element_bytes: int) -> int:
     return 2 * element_bytes * rows * heads * cache.get_seq_length() * dim * len(cache.layers)
 
 
-@pytest.mark.parametrize("recent_format,side", [("int8", 4 * 512 + 128 * 2 * 132), ("exact", 132 * 512)])
+@pytest.mark.parametrize("recent_format,side", [("int8", 4 * 512 + 128 * 2 * 144), ("exact", 132 * 512)])
 def test_break_even_by_hand(recent_format, side):
     """4bit at head_dim 128, 64-token blocks of 134 bytes per token and head, 4 exact prefix tokens of 512 bytes
-    (fp16) and a 128-token ring of two 132-byte int8 records per token (or 512 exact bytes): from n tokens on,
+    (fp16) and a 128-token ring of two 144-byte int8 records per token (or 512 exact bytes): from n tokens on,
     (n / 64 + 1 + n / (64 * 64)) blocks of 8576 bytes plus the side buffers stay within n * 512."""
     layout = BlockLayout(TurboQuantConfig.from_preset("4bit", recent_format=recent_format), 8, 128)
     n = break_even_tokens(layout, 2)

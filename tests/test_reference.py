@@ -817,8 +817,9 @@ def test_property_int8_ring_records(dtype, head_dim, log_magnitude, seed):
     x = (torch.randn(3, 2, 5, head_dim, generator=gen) * magnitude).to(dtype)
     x[0, 0, 0] = 0
     records = ref.encode_ring(x)
-    assert records.dtype == torch.int8 and records.shape == (3, 2, 5, head_dim + 4)
-    codes, scale = records[..., :head_dim], records[..., head_dim:].contiguous().view(torch.float32)
+    assert records.dtype == torch.int8 and records.shape == (3, 2, 5, head_dim + 16)
+    codes, scale = records[..., :head_dim], records[..., head_dim : head_dim + 4].contiguous().view(torch.float32)
+    assert not records[..., head_dim + 4 :].any()  # the tail's padding
     assert int(codes.min()) >= -127 and int(codes.max()) <= 127
     xd = x.double()
     assert torch.allclose(scale.double(), xd.abs().amax(-1, keepdim=True) / 127, rtol=1e-6, atol=0)

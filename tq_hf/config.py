@@ -83,13 +83,14 @@ class TurboQuantConfig:
     recent_window: the most recent tokens of every row are also kept, in a ring buffer of this many
         tokens (recent_format), and read from there by attention (as HF's QuantizedCache keeps its
         residual); 0 turns it off. A constant, not a per-token, cost.
-    recent_format: how the ring keeps its tokens. "int8" (default): each token's key and value per KV head
-        as int8 codes round(x / s) with an fp32 scale s = absmax / 127 (layout.ring_record_bytes: 0.52x a
-        16-bit vector's bytes at head_dim 128, so 4bit holds 0.34x of fp16 at 1k tokens instead of 0.40x);
-        SmolLM2 4k tokens, mean KL vs fp16: 4bit 0.00081 against 0.00079 with an exact ring, k3v4 0.00329
-        against 0.00326, perplexity alike. While a row's key_centering means settle over several forwards (a prompt
-        fed in chunks shorter than the ring), the history those forwards store again comes from the records.
-        "exact": in exact_dtype.
+    recent_format: how the ring keeps its tokens. "exact" (default): in exact_dtype. "int8": each token's key and
+        value per KV head as int8 codes round(x / s) with an fp32 scale s = absmax / 127 in a 16-byte tail
+        (layout.ring_record_bytes: 0.56x a 16-bit vector's bytes at head_dim 128, so 4bit holds 0.34x of fp16 at 1k
+        tokens instead of 0.40x; SmolLM2 4k tokens, mean KL vs fp16: 4bit 0.00083 against 0.00079 with an exact
+        ring, perplexity alike). While a row's key_centering means settle over several forwards (a prompt fed in
+        chunks shorter than the ring), the history those forwards store again comes from the records. Not the
+        default yet: its GPU decode speed with the 16-byte tail and its CUDA-graph path are unmeasured
+        (docs/performance.md, "The ring in int8 records").
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
         "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
         tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
@@ -134,7 +135,7 @@ class TurboQuantConfig:
     value_rotation: bool = True
     exact_prefix_tokens: int = 4
     recent_window: int = 128
-    recent_format: str = "int8"
+    recent_format: str = "exact"
     sliding_layers: str = "auto"
     prefill_attention: str = "exact"
     dense_layer_kl: float | None = 0.5

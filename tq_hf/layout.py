@@ -43,8 +43,8 @@ Codebook key codes name a centroid through reference.stored_codes: 4-bit keys ar
 
 The recent ring (recent_window) beside the pool, per row and KV head: W slots, position p at slot p % W.
 With recent_format "int8" a slot holds one record per key and per value of ring_record_bytes(D) bytes:
-D int8 codes c_i = floor(x_i / s + 1/2) clamped to [-127, 127], then the fp32 bytes of s = absmax(x) / 127
-(reference.encode_ring); x ~= c * s. With "exact" a slot holds the D elements in exact_dtype.
+D int8 codes c_i = floor(x_i / s + 1/2) clamped to [-127, 127], then the fp32 bytes of s = absmax(x) / 127 and 12
+zero bytes (reference.encode_ring); x ~= c * s. With "exact" a slot holds the D elements in exact_dtype.
 
 Metadata meaning:
   * key_scale: codebook keys: the RMS of the key divided by the RMS of its codebook vector
@@ -62,13 +62,15 @@ from .config import METADATA_FIELDS, TurboQuantConfig
 
 KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
 METADATA_DTYPE = torch.bfloat16
-RING_SCALE_BYTES = 4  # an int8 ring record's fp32 scale, after its codes
+# an int8 ring record's tail after its codes: the fp32 scale, then zeros to a 16-byte multiple (records a multiple of
+# 16 bytes apart: the kernels' ring tiles load wide; at a 4-byte tail they loaded bytes, 4bit B=1 decode 1.6x slower)
+RING_TAIL_BYTES = 16
 RING_CODE_MAX = 127
 
 
 def ring_record_bytes(head_dim: int) -> int:
-    """Bytes of one int8 ring record (recent_format "int8"): head_dim codes, then the fp32 scale."""
-    return head_dim + RING_SCALE_BYTES
+    """Bytes of one int8 ring record (recent_format "int8"): head_dim codes, then the fp32 scale and 12 zero bytes."""
+    return head_dim + RING_TAIL_BYTES
 
 
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:

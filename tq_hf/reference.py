@@ -32,7 +32,7 @@ from .layout import (
     KEY_SCALE,
     METADATA_DTYPE,
     RING_CODE_MAX,
-    RING_SCALE_BYTES,
+    RING_TAIL_BYTES,
     VALUE_MID,
     VALUE_SCALE,
     BlockLayout,
@@ -300,7 +300,7 @@ def store(
     `key_offset`: the key_centering mean (None: no centering), [H, D] for every token or
     [R, H, D] per row, the tokens being R rows of N / R consecutive tokens each (row-major, as the
     cache lays out an update).
-    `recent`: the ring (recent_keys, recent_values) [R, H, W, D] of recent_window, or [R, H, W, D + 4] int8 records
+    `recent`: the ring (recent_keys, recent_values) [R, H, W, D] of recent_window, or [R, H, W, D + 16] int8 records
     (layout.ring_spec): each row's last min(L, W) tokens (of its L = N / R, at positions start .. start + L - 1) are
     written there, position p at slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
     """
@@ -349,18 +349,20 @@ def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, v
 
 
 def encode_ring(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> int8 ring records [..., D + 4] (layout: recent_format "int8"): codes floor(x / s + 1/2) clamped to
-    [-127, 127], then the fp32 bytes of s = absmax / 127 (0 for a zero vector: codes 0)."""
+    """[..., D] -> int8 ring records [..., D + 16] (layout: recent_format "int8"): codes floor(x / s + 1/2) clamped to
+    [-127, 127], then the fp32 bytes of s = absmax / 127 (0 for a zero vector: codes 0) and 12 zero bytes."""
     x = x.float()
-    s = x.abs().amax(-1, keepdim=True) / RING_CODE_MAX
+    amax = x.abs().amax(-1, keepdim=True)
+    s = amax / torch.full_like(amax, RING_CODE_MAX)  # (a tensor divisor: CUDA divides by a scalar as x * (1 / b))
     codes = torch.floor(x / torch.where(s > 0, s, 1.0) + 0.5).clamp(-RING_CODE_MAX, RING_CODE_MAX)
-    return torch.cat([codes.to(torch.int8), s.contiguous().view(torch.int8)], -1)
+    pad = torch.zeros(*x.shape[:-1], RING_TAIL_BYTES - 4, dtype=torch.int8, device=x.device)
+    return torch.cat([codes.to(torch.int8), s.contiguous().view(torch.int8), pad], -1)
 
 
 def decode_ring(records: torch.Tensor) -> torch.Tensor:
-    """int8 ring records [..., D + 4] -> the vectors [..., D] as fp32 (codes x scale)."""
-    d = records.shape[-1] - RING_SCALE_BYTES
-    return records[..., :d].float() * records[..., d:].contiguous().view(torch.float32)
+    """int8 ring records [..., D + 16] -> the vectors [..., D] as fp32 (codes x scale)."""
+    d = records.shape[-1] - RING_TAIL_BYTES
+    return records[..., :d].float() * records[..., d : d + 4].contiguous().view(torch.float32)
 
 
 def to_ring(x: torch.Tensor, ring_dtype: torch.dtype) -> torch.Tensor:

@@ -1,5 +1,7 @@
 """The kernel benchmark's preset names: what each column of its tables measures (CPU; the timing needs a GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ def test_exact_buffers_shapes():
     layout = BlockLayout(make_config("4bit+defaults"), 3, 64)
     extra = exact_buffers(layout, 2, 4, 128, device="cpu")
     assert extra["prefix_keys"].shape == extra["prefix_values"].shape == (2, 3, 4, 64)
-    assert extra["recent_keys"].shape == extra["recent_values"].shape == (2, 3, 128, 64 + 4)  # int8 records
+    assert extra["recent_keys"].shape == extra["recent_values"].shape == (2, 3, 128, 64)
+    records = exact_buffers(layout, 2, 4, 128, device="cpu", ring_records=True)
+    assert records["recent_keys"].shape == (2, 3, 128, 64 + 16) and records["recent_keys"].dtype == torch.int8
     assert extra["recent_from"] == 0 and extra["prefix_keys"].dtype == torch.float16
     assert not torch.equal(extra["prefix_keys"], extra["prefix_values"])
     assert exact_buffers(layout, 2, 0, 0, device="cpu") == {}
@@ -76,18 +80,20 @@ def test_decode_read_bytes_plain_format(preset, d):
 
 @pytest.mark.parametrize("preset, d", list(BY_HAND))
 def test_decode_read_bytes_with_prefix_and_ring(preset, d):
-    """+defaults: 4 exact leading tokens read as fp16 K and V and a 128-token ring of int8 records (D codes and a
-    4-byte scale for K and for V), instead of the pool."""
-    layout = BlockLayout(make_config(preset + "+defaults"), 4, d)
+    """+defaults with recent_format "int8": 4 exact leading tokens read as fp16 K and V and a 128-token ring of int8
+    records (D codes and a 16-byte tail with the scale, for K and for V), instead of the pool."""
+    layout = BlockLayout(dataclasses.replace(make_config(preset + "+defaults"), recent_format="int8"), 4, d)
     cfg = layout.config
-    assert (cfg.exact_prefix_tokens, cfg.recent_window, cfg.recent_format) == (4, 128, "int8")
-    exact, ring = 2 * d * 2, 2 * (d + 4)  # fp16 K + V of one (token, head); its two ring records
+    assert (cfg.exact_prefix_tokens, cfg.recent_window) == (4, 128)
+    exact_ring = BlockLayout(make_config(preset + "+defaults"), 4, d)  # the default: fp16 K and V
+    assert decode_read_bytes(exact_ring, 1, 130, 4, 128) == 4 * 130 * 2 * d * 2
+    exact, ring = 2 * d * 2, 2 * (d + 16)  # fp16 K + V of one (token, head); its two ring records
     assert decode_read_bytes(layout, 3, 1024, 4, 128) == 3 * 4 * ((1024 - 4 - 128) * BY_HAND[preset, d] + 4 * exact
                                                                    + 128 * ring)
     assert decode_read_bytes(layout, 1, 100, 4, 128) == 4 * 100 * ring  # the ring covers every position
     assert decode_read_bytes(layout, 1, 130, 4, 128) == 4 * (2 * exact + 128 * ring)  # ring 2..129, prefix 0..1
     kw = exact_buffers(layout, 2, 4, 16, device="cpu")
-    assert kw["recent_keys"].dtype == torch.int8 and kw["recent_keys"].shape == (2, 4, 16, d + 4)
+    assert kw["recent_keys"].dtype == torch.int8 and kw["recent_keys"].shape == (2, 4, 16, d + 16)
     assert exact_buffers(layout, 2, 4, 16, device="cpu", ring_records=False)["recent_keys"].dtype == torch.float16
 
 

@@ -120,7 +120,7 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
     if ring_dtype == torch.int8:
         key[: n // 2, 1] *= 1e4 if dtype != torch.float16 else 1e2  # large activations: finite records
         key[n // 2, 0] = 0  # a zero vector: scale 0, codes 0
-    poison, width = (90, 64 + 4) if ring_dtype == torch.int8 else (1234.0, 64)
+    poison, width = (90, 64 + 16) if ring_dtype == torch.int8 else (1234.0, 64)
     ring = torch.full((rows, 2, w, width), poison, dtype=ring_dtype, device=DEVICE)  # poison: untouched slots keep it
     got_ring, want_ring = (ring.clone(), ring.clone() - 1), (ring.clone(), ring.clone() - 1)
     got_len = torch.full((rows,), -7, dtype=torch.int32, device=DEVICE)
@@ -136,7 +136,7 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
     written = min(length, w)  # the spec wrote this many slots per row and head; the rest still hold the poison
     assert int((want_ring[0] != poison).any(-1).sum()) == rows * 2 * written
     if ring_dtype == torch.int8:  # the records hold the tokens to half a code step (an independent decode)
-        got_k = got_ring[0][..., :64].float() * got_ring[0][..., 64:].contiguous().view(torch.float32)
+        got_k = got_ring[0][..., :64].float() * got_ring[0][..., 64:68].contiguous().view(torch.float32)
         last = key.float().reshape(rows, length, 2, 64)[:, length - written :].transpose(1, 2)
         slots_of = (start + torch.arange(length - written, length, device=DEVICE)) % w
         step = last.abs().amax(-1, keepdim=True) / 127

@@ -118,7 +118,7 @@ def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, lette
 
 
 def check_ring_alignment(name: str, t: torch.Tensor) -> None:
-    """int8 ring records [.., .., W, D + 4] keep each fp32 scale on a 4-byte boundary (the kernels load it as fp32)."""
+    """int8 ring records [.., .., W, D + 16] keep each fp32 scale on a 4-byte boundary (the kernels load it as fp32)."""
     if t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) % 4 or t.storage_offset() % 4:
         raise ValueError(f"{name}: int8 ring records must keep their fp32 scales 4-byte aligned (strides and offset "
                          f"multiples of 4), got strides {t.stride()} and offset {t.storage_offset()}")

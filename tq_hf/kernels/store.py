@@ -157,14 +157,18 @@ def _token_planes(slot, ok, pool_ptr, block_bytes, head_bytes, T: tl.constexpr):
 @triton.jit
 def _write_ring(ring_ptr, ring_row, cols, raw, rmask, in_ring, D: tl.constexpr, RING_Q8: tl.constexpr):
     """Tokens into their ring slots (row offsets ring_row): as they are, in the ring's dtype, or as int8 records
-    (reference.encode_ring, bit for bit: codes floor(x / s + 1/2), s = absmax / 127, then s's fp32 bytes)."""
+    (reference.encode_ring, bit for bit: codes floor(x / s + 1/2), s = absmax / 127, then a 16-byte tail of s's
+    fp32 bytes and zeros)."""
     if RING_Q8:
         x = tl.where(rmask, raw.to(tl.float32), 0.0)
         s = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
         c = tl.floor(tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None]) + 0.5)
         c = tl.minimum(tl.maximum(c, -127.0), 127.0)
         tl.store(ring_ptr + ring_row[:, None] + cols[None, :], c.to(tl.int8), mask=rmask)
-        tl.store((ring_ptr + ring_row + D).to(tl.pointer_type(tl.float32)), s, mask=in_ring)
+        words = tl.arange(0, 4)  # the tail as 4 int32 words: s's bits, then zeros
+        tail = tl.where(words[None, :] == 0, s.to(tl.int32, bitcast=True)[:, None], 0)
+        tl.store((ring_ptr + ring_row + D).to(tl.pointer_type(tl.int32))[:, None] + words[None, :], tail,
+                 mask=in_ring[:, None])
     else:
         tl.store(ring_ptr + ring_row[:, None] + cols[None, :], raw.to(ring_ptr.dtype.element_ty), mask=rmask)
 
