@@ -152,6 +152,10 @@ class BlockLayout:
             return (rows, self.num_kv_heads, window, ring_record_bytes(self.head_dim)), torch.int8
         return (rows, self.num_kv_heads, window, self.head_dim), exact_dtype
 
+    def ring_width(self, ring_dtype: torch.dtype) -> int:
+        """The last dimension of a ring buffer of `ring_dtype`: an int8 record's bytes, else head_dim elements."""
+        return ring_record_bytes(self.head_dim) if ring_dtype == torch.int8 else self.head_dim
+
     def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
         """A zeroed pool of `num_blocks` blocks."""
         return torch.zeros(num_blocks, self.num_kv_heads, self.plane_bytes, dtype=torch.uint8, device=device)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..config import MAX_EXACT_PREFIX
-from ..layout import BlockLayout, ring_record_bytes
+from ..layout import BlockLayout
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # ring slots the kernels take: recent_window, or a multi-token forward's ring (that window and its own tokens)
@@ -100,9 +100,9 @@ def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, lette
     if keys is None:
         return 0
     records = kind == "recent" and keys.dtype == torch.int8  # int8 ring records (layout.ring_spec)
-    width = ring_record_bytes(layout.head_dim) if records else layout.head_dim
+    width = layout.ring_width(keys.dtype) if records else layout.head_dim
     expected = (f"[{batch}, {layout.num_kv_heads}, {letter}, {width}] with 1 <= {letter} <= {limit}"
-                + (" (int8 ring records: head_dim codes and an fp32 scale)" if records else ""))
+                + (" (int8 ring records: head_dim codes, then a 16-byte tail with the fp32 scale)" if records else ""))
     for name, t in ((k_name, keys), (v_name, values)):
         check_tensor(name, t, dim=4, dtypes=(torch.int8,) if records else ACTIVATION_DTYPES, device=device)
         b, hk, n, d = t.shape

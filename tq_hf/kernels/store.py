@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codebook import is_symmetric
-from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, ring_record_bytes, value_planes
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
 from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_ring_alignment, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
@@ -444,7 +444,7 @@ def _check_ring(ring_k, ring_v, seq_lens, layout, key, device) -> int | None:
     rows = None
     if ring_k is not None:
         records = ring_k.dtype == torch.int8  # int8 ring records (layout.ring_spec)
-        width = ring_record_bytes(layout.head_dim) if records else layout.head_dim
+        width = layout.ring_width(ring_k.dtype)
         for name, t in (("recent keys", ring_k), ("recent values", ring_v)):
             check_tensor(name, t, dim=4, dtypes=(torch.int8,) if records else ACTIVATION_DTYPES, device=device)
             if t.shape[1] != layout.num_kv_heads or t.shape[3] != width or t.shape[2] < 1:
