@@ -86,11 +86,11 @@ class TurboQuantConfig:
     recent_format: how the ring keeps its tokens. "exact" (default): in exact_dtype. "int8": each token's key and
         value per KV head as int8 codes round(x / s) with an fp32 scale s = absmax / 127 in a 16-byte tail
         (layout.ring_record_bytes: 0.56x a 16-bit vector's bytes at head_dim 128, so 4bit holds 0.34x of fp16 at 1k
-        tokens instead of 0.40x; SmolLM2 4k tokens, mean KL vs fp16: 4bit 0.00083 against 0.00079 with an exact
-        ring, perplexity alike). While a row's key_centering means settle over several forwards (a prompt fed in
+        tokens instead of 0.40x). While a row's key_centering means settle over several forwards (a prompt fed in
         chunks shorter than the ring), the history those forwards store again comes from the records. Not the
-        default yet: its GPU decode speed with the 16-byte tail and its CUDA-graph path are unmeasured
-        (docs/performance.md, "The ring in int8 records").
+        default: one scale per vector rounds keys with outlier channels coarsely (4k tokens, perplexity vs fp16:
+        SmolLM2 4bit +0.07% either way, Qwen2.5-0.5B k8v4 +0.44% against +0.04%, Gemma-3-270M 3bit +0.72%
+        against +0.30%; docs/performance.md, "The ring in int8 records").
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
         "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
         tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
