@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .bench_kernels import PRESETS, _fill_pool, _flush_buffer, exact_buffers, make_config, time_ms, write_report
+from .bench_kernels import PRESETS, _fill_pool, _flush_buffer, forward_buffers, make_config, time_ms, write_report
 from .common import without_out_dir
 
 SHAPE = (32, 8, 128)  # Hq, Hk, D: Llama-3.1-8B
@@ -82,9 +82,7 @@ def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill:
     total = s + lq
     pool, table = _fill_pool(layout, b, total, key_offset=mu)
     seq = torch.full((b,), total, device="cuda", dtype=torch.int32)
-    ring = cfg.recent_window + (lq if lq > 1 and not prefill else 0)  # a compressed prefill reads the layer's ring
-    # (a forward of several tokens reads its own dense window of ring + new tokens; a prefill the layer's ring)
-    extra = exact_buffers(layout, b, cfg.exact_prefix_tokens, ring, ring_records=None if prefill or lq == 1 else False)
+    extra = forward_buffers(layout, b, lq, prefill=prefill)  # a compressed prefill reads the layer's ring
     q = torch.randn(b, hq, lq, d, device="cuda", dtype=torch.float16)
     scale = 1 / math.sqrt(d)
     outs = {}

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, exact_buffers, make_config, parse_shape, time_ms
+from eval.bench_kernels import _fill_pool, _flush_buffer, _key_offset, forward_buffers, make_config, parse_shape, time_ms
 from eval.common import markdown_table, md_header, run_metadata
 
 VARIANTS = {  # name -> unified_attention tuning
@@ -102,7 +102,7 @@ def _lever_call(q, layout, b: int, s: int, prefix: int, ring: int, device: str =
     mu = torch.randn(hk, d, device=device) if layout.config.key_centering else None
     pool, table = _fill_pool(layout, b, s, device=device, key_offset=mu)
     seq = torch.full((b,), s, device=device, dtype=torch.int32)
-    extra = exact_buffers(layout, b, prefix, ring, device)
+    extra = forward_buffers(layout, b, q.shape[2], prefix, ring, device)
     out = torch.full_like(q, float("nan"))
 
     def call():
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             layout = BlockLayout(make_config(preset), hk, d)
             mu = _key_offset(layout)
             pool, table = _fill_pool(layout, b, s, key_offset=mu)
-            extra = exact_buffers(layout, b, layout.config.exact_prefix_tokens, layout.config.recent_window)  # +defaults
+            extra = forward_buffers(layout, b, args.queries)  # +defaults
             seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
             scale = 1 / math.sqrt(d)
             baseline = None

@@ -79,6 +79,20 @@ def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda", ring_re
     return extra
 
 
+def forward_buffers(layout, b: int, queries: int, prefix: int | None = None, ring: int | None = None,
+                    device="cuda", prefill: bool = False) -> dict:
+    """exact_buffers as the cache hands them to a forward of `queries` new tokens per row (prefix and ring: the
+    config's by default). A decode step (or a compressed prefill) reads the layer's ring; a forward of several
+    tokens reads its own dense window of the ring's W positions plus its new tokens (TurboQuantLayer.forward_window:
+    W + queries slots in the model's dtype, whatever recent_format)."""
+    cfg = layout.config
+    prefix = cfg.exact_prefix_tokens if prefix is None else prefix
+    ring = cfg.recent_window if ring is None else ring
+    if queries > 1 and not prefill:
+        return exact_buffers(layout, b, prefix, ring + queries, device, ring_records=False)
+    return exact_buffers(layout, b, prefix, ring, device)
+
+
 def fp16_kv_bytes(b: int, s: int, hk: int, d: int) -> int:
     """fp16 K+V of b rows x s tokens x hk heads: what fp16 SDPA's decode reads (its byte floor's numerator)."""
     return 2 * b * hk * s * d * torch.float16.itemsize

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from eval.bench_kernels import (DECODE_SHAPES, MAX_FP16_KV_BYTES, decode_grid, decode_plot, decode_points,
-                                decode_read_bytes, exact_buffers, floor_fields, fp16_kv_bytes, make_config, markdown,
-                                parse_args)
+                                decode_read_bytes, exact_buffers, floor_fields, forward_buffers, fp16_kv_bytes,
+                                make_config, markdown, parse_args)
 from tq_hf.config import TurboQuantConfig
 from tq_hf.layout import BlockLayout
 
@@ -142,3 +142,21 @@ def test_markdown_floor_table():
     assert "| 1 | 4096 | 32/8/128 | 0.2000 / 0.0250 (x8.00) | 0.2000 / 0.0050 (x40.00) | - |" in md
     assert "| 1 | 4096 | 32/8/128 | 0.2000 | 0.2000 (x0.50, 100 GB/s) | - |" in md  # the timing table as before
     assert "byte floor" not in markdown(_results([(1, 1024)]))  # reports measured before the floor
+
+
+@pytest.mark.parametrize("recent_format", ["exact", "int8"])
+def test_forward_buffers_as_the_cache_hands_them(recent_format):
+    """A decode step and a compressed prefill read the layer's ring (int8 records where the format says so); a
+    forward of several tokens its own fp16 window of the ring's W positions plus its new tokens, as
+    TurboQuantLayer.forward_window builds it (W + Lq slots; Lq with no ring)."""
+    layout = BlockLayout(dataclasses.replace(make_config("4bit+defaults"), recent_format=recent_format), 2, 64)
+    records = recent_format == "int8"
+    decode = forward_buffers(layout, 3, 1, device="cpu")
+    assert decode["recent_keys"].shape == (3, 2, 128, 64 + 16 * records)
+    assert decode["prefix_keys"].shape == (3, 2, 4, 64)
+    assert forward_buffers(layout, 3, 8, device="cpu", prefill=True)["recent_keys"].dtype == decode["recent_keys"].dtype
+    window = forward_buffers(layout, 3, 8, device="cpu")
+    assert window["recent_keys"].shape == window["recent_values"].shape == (3, 2, 128 + 8, 64)
+    assert window["recent_keys"].dtype == torch.float16
+    assert forward_buffers(layout, 3, 8, prefix=0, ring=0, device="cpu")["recent_keys"].shape == (3, 2, 8, 64)
+    assert forward_buffers(layout, 3, 1, prefix=0, ring=0, device="cpu") == {}
