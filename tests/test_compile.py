@@ -85,6 +85,21 @@ def test_compiled_decode_step_is_one_graph_with_the_eager_tokens(preset, dynamo)
     assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what=f"{preset} logits")
 
 
+def test_compiled_decode_step_with_an_int8_ring(dynamo):
+    """recent_format "int8": the compiled step writes its token's records through the traced update (to_ring) and
+    reads them as the eager step does: one graph, the same tokens, the same logits (the records hold the same
+    codes: both paths round the same fp32 vectors)."""
+    model = tiny_model("llama")
+    cfg = tq_config(recent_format="int8")
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64), model.forward, ids)
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64),
+                           torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0]), f"tokens differ\n{compiled[0]}\n{eager[0]}"
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what="int8 ring logits")
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("sliding", ["exact", "compressed"])
 def test_compiled_decode_of_other_families(family, sliding, dynamo):
@@ -308,12 +323,12 @@ def test_custom_ops_pass_opcheck():
 
 # ---- CUDA graphs (GPU) -----------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["4bit", "k8v4"])
-def test_gpu_reduce_overhead_captures_the_decode_step(preset, dynamo):
+@pytest.mark.parametrize("preset,recent_format", [("4bit", "exact"), ("k8v4", "exact"), ("4bit", "int8")])
+def test_gpu_reduce_overhead_captures_the_decode_step(preset, recent_format, dynamo):
     """mode="reduce-overhead": inductor + CUDA graphs over the Triton kernels; same tokens as the eager kernels over
     the same fixed capacity (the same launch plans), logits close to the growing cache's."""
     model = tiny_model("llama", dtype=torch.float16, device="cuda")
-    cfg = tq_config(preset=preset)
+    cfg = tq_config(preset=preset, recent_format=recent_format)
     ids = prompts().cuda()
     growing = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
     eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64), model.forward, ids)

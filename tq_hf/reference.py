@@ -355,8 +355,10 @@ def encode_ring(x: torch.Tensor) -> torch.Tensor:
     amax = x.abs().amax(-1, keepdim=True)
     s = amax / torch.full_like(amax, RING_CODE_MAX)  # (a tensor divisor: CUDA divides by a scalar as x * (1 / b))
     codes = torch.floor(x / torch.where(s > 0, s, 1.0) + 0.5).clamp(-RING_CODE_MAX, RING_CODE_MAX)
-    pad = torch.zeros(*x.shape[:-1], RING_TAIL_BYTES - 4, dtype=torch.int8, device=x.device)
-    return torch.cat([codes.to(torch.int8), s.contiguous().view(torch.int8), pad], -1)
+    # the tail as fp32 words (s, then zeros) viewed as bytes: a view of s alone, [..., 1], failed under inductor on
+    # CUDA (its size-1 last dimension laid out with stride 4: "self.stride(-1) must be 1 to view Float as Char")
+    tail = torch.cat([s, s.new_zeros(*s.shape[:-1], RING_TAIL_BYTES // 4 - 1)], -1)
+    return torch.cat([codes.to(torch.int8), tail.view(torch.int8)], -1)
 
 
 def decode_ring(records: torch.Tensor) -> torch.Tensor:
