@@ -625,6 +625,39 @@ def test_gpu_three_bit_verification_tiles(q_len, options, block_m):
     assert seen["BLOCK_M"] == block_m, seen
 
 
+@pytest.mark.parametrize("q_len,levers,block_m,key_words", [(8, True, 16, True), (5, True, 16, True),
+                                                           (4, True, 16, False), (8, False, 32, False)])
+def test_gpu_four_bit_verification_tiles(q_len, levers, block_m, key_words):
+    """4bit at head_dim 128, GQA 4, on an H200: 5-8 new tokens (17-32 rows) with the levers take two 16-row tiles
+    by key and value words, each walking the history; up to 4 tokens take decode's tiles (head pairs at one token);
+    the plain format keeps one 32-row tile by bytes."""
+    layout = make_layout("4bit", 8, 128, key_centering=levers, value_rotation=levers)
+    pool, table = fill_cache(layout, [64], "cpu")
+    kw = {"key_offset": torch.zeros(1, 8, 128)} if levers else {}
+    seen = _gpu_launch(torch.randn(1, 32, q_len, 128, dtype=torch.float16), pool, layout, table,
+                       torch.tensor([64 + q_len]), 0.1, max_seq_len=32768, **kw)
+    assert (seen["BLOCK_M"], seen["KEY_WORDS"]) == (block_m, key_words), seen
+    if key_words:
+        assert seen["VALUE_WORDS"], seen
+
+
+@pytest.mark.parametrize("preset,batch,q_len,exact_program", [
+    ("3bit", 1, 8, False), ("3bit", 4, 8, False), ("4bit", 1, 8, False),  # several 16-row tiles per KV head
+    ("k8v4", 1, 8, True), ("k8v4", 4, 8, False), ("k8v4", 1, 16, False),  # FP8 keys: two tiles at B=1 keep it
+    ("4bit", 1, 1, True), ("k3v4", 1, 8, True),  # one row tile: the exact tokens in a program of their own
+])
+def test_gpu_exact_program_of_verification_forwards(preset, batch, q_len, exact_program):
+    """Split decode with an exact ring on an H200: the exact tokens get a program of their own unless several
+    16-row tiles each walk the history (their exact programs then outlasted the splits)."""
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)  # planned over S=32k, not run
+    ring_k, ring_v = recent_ring(layout, batch, 128 + q_len, torch.float16, "cpu")
+    seen = _gpu_launch(torch.randn(batch, 32, q_len, 128, dtype=torch.float16), layout.allocate(1, "cpu"), layout,
+                       table, torch.full((batch,), 32768), 0.1, max_seq_len=32768, key_offset=torch.zeros(batch, 8, 128),
+                       recent_keys=ring_k, recent_values=ring_v)
+    assert seen["SPLIT"] and seen["EXACT_PROG"] == exact_program, seen
+
+
 @pytest.mark.slow
 def test_three_bit_verification_forward_on_16_row_tiles():
     """3bit, 8 new tokens over a history with every lever, on a GPU's 16-row tiles (two per KV head, each split over
@@ -640,6 +673,16 @@ def test_fp8_verification_forward():
     over the walk)."""
     layout = make_layout("k8v4", 2, 128, key_centering=True, value_rotation=True)
     for q_len in (8, 16):
+        _check(layout, [70, 141], q_len, 4, prefix_len=4, recent=(16 + q_len, 0),
+               kv_start=torch.tensor([0, 5], device=DEVICE), **_fidelity_options(layout, 4))
+
+
+@pytest.mark.slow
+def test_four_bit_verification_forward():
+    """5 and 8 new tokens over a history with every lever (a GPU's 16-row tiles by key and value words, two per KV
+    head, each split over the walk, the exact tokens in the splits), against the reference."""
+    layout = make_layout("4bit", 2, 128, key_centering=True, value_rotation=True)
+    for q_len in (5, 8):
         _check(layout, [70, 141], q_len, 4, prefix_len=4, recent=(16 + q_len, 0),
                kv_start=torch.tensor([0, 5], device=DEVICE), **_fidelity_options(layout, 4))
 

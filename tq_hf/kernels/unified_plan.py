@@ -57,6 +57,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
     pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
     hp = _pick(launch.head_pairs, 2 if pairs else 1)
+    verify4 = False  # a verification forward of 4-bit codebook keys on 16-row tiles (below)
     if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
         block_m = max(16, next_pow2(rows))
         if cfg.key_bits == 8 and d == 128 and on_gpu:
@@ -66,6 +67,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         if cfg.key_bits == 3 and cfg.value_bits == 3 and d == 128 and on_gpu and rows <= 32 and not plain_format:
             # 3bit with the levers, 8 queries x GQA 4: two 16-row tiles, each walking the history, 0.119 against
             # 0.175 ms for one 32-row tile (B=1 S=32k 32/8/128, H200); ptxas: no spills, against 1,272 B per thread
+            block_m = 16
+        verify4 = words is not None and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
+        if verify4:
+            # 4-bit codebook keys, 5-8 queries x GQA 4 with the levers: two 16-row tiles by key and value words, each
+            # walking the history, 0.0636 against 0.0658 ms for one 32-row tile by bytes (B=1 S=32k), 0.186 against
+            # 0.204 at B=4
             block_m = 16
         block_n = 256 if cfg.key_bits == 4 else 128
         if d > 128:  # head_dim 256: 64-token tiles only for a few KV heads with the levers (128 were 5% slower there)
@@ -143,7 +150,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # ldmatrix) with byte magnitudes: always with head pairs, at head_dim 64, and once the batch fills the GPU
     # without exact buffers (one head per program elsewhere did not gain)
     kbytes = config_lut_bytes(cfg, d) if words else None
-    key_words = bool(_pick(launch.key_words, kbytes is not None and (hp > 1 or d == 64 or (
+    key_words = bool(_pick(launch.key_words, kbytes is not None and (hp > 1 or d == 64 or verify4 and block_m == 16 or (
         batch_fills_gpu and not (prefix_len or recent_size)))))
     if key_words and not (decode and cfg.uses_codebook and cfg.key_bits == 4 and d in (64, 128, 256)
                           and (kbytes is not None or words is None)):
@@ -175,8 +182,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if split and m_tiles != 1 and hp != 1:
         raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
     # split decode with exact prefix/ring buffers while the GPU has programs to spare: one extra program attends
-    # the dense tiles alongside the pool's walks (appended to the first/last split they made it the slowest)
-    exact_prog = bool(_pick(launch.exact_program, not batch_fills_gpu)) and split and (prefix_len > 0 or recent_size > 0)
+    # the dense tiles alongside the pool's walks (appended to the first/last split they made it the slowest); not
+    # where several 16-row tiles each walk the history (a verification forward): there each tile's exact program
+    # walked the forward's W + Lq exact tokens alone after the splits were done (S=32k, 8 queries, 3bit B=1 0.1140
+    # -> 0.1013 ms, B=4 0.352 -> 0.328; k8v4 B=4 0.147 -> 0.135; 16 queries, k8v4 B=1 0.0915 -> 0.0800)
+    exact_default = not batch_fills_gpu and not (decode and m_tiles > 1 and not (
+        cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8))  # (FP8 keys, 8 queries, B=1: 0.0532 against 0.0554 ms)
+    exact_prog = bool(_pick(launch.exact_program, exact_default)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
