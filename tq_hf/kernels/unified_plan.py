@@ -186,8 +186,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # where several 16-row tiles each walk the history (a verification forward): there each tile's exact program
     # walked the forward's W + Lq exact tokens alone after the splits were done (S=32k, 8 queries, 3bit B=1 0.1140
     # -> 0.1013 ms, B=4 0.352 -> 0.328; k8v4 B=4 0.147 -> 0.135; 16 queries, k8v4 B=1 0.0915 -> 0.0800)
-    exact_default = not batch_fills_gpu and not (decode and m_tiles > 1 and not (
-        cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8))  # (FP8 keys, 8 queries, B=1: 0.0532 against 0.0554 ms)
+    fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: 0.0532 against 0.0554 ms (8 queries, B=1)
+    tiles_walk_apart = decode and m_tiles > 1 and not fp8_two_tiles
+    exact_default = not batch_fills_gpu and not tiles_walk_apart
     exact_prog = bool(_pick(launch.exact_program, exact_default)) and split and (prefix_len > 0 or recent_size > 0)
     ns_all = num_splits + exact_prog
 
