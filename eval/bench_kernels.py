@@ -73,7 +73,7 @@ def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda", ring_re
         extra.update(prefix_keys=pk, prefix_values=torch.randn_like(pk))
     if ring:
         rk, rv = (torch.randn(b, hk, ring, d, device=device, dtype=EXACT_DTYPE) for _ in range(2))
-        if layout.config.recent_format == "int8" if ring_records is None else ring_records:
+        if layout.config.ring_records if ring_records is None else ring_records:
             rk, rv = encode_ring(rk), encode_ring(rv)
         extra.update(recent_keys=rk, recent_values=rv, recent_from=0)
     return extra
@@ -119,7 +119,7 @@ def decode_read_bytes(layout, b: int, s: int, prefix: int = 0, ring: int = 0) ->
     pool, from_prefix, from_ring = read_positions(s, prefix, ring)
     pool_token = layout.plane_bytes // layout.block_size  # key codes + value codes + metadata of one (token, head)
     exact_token = 2 * layout.head_dim * EXACT_DTYPE.itemsize  # K and V
-    ring_token = 2 * ring_record_bytes(layout.head_dim) if layout.config.recent_format == "int8" else exact_token
+    ring_token = 2 * ring_record_bytes(layout.head_dim) if layout.config.ring_records else exact_token
     return b * layout.num_kv_heads * (pool * pool_token + from_prefix * exact_token + from_ring * ring_token)
 
 

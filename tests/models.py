@@ -87,11 +87,13 @@ def tq_config(**overrides) -> TurboQuantConfig:
     The levers stay on, with a ring and prefix small enough for tiny prompts to reach the pool. The ring is exact
     (recent_format "exact"): an int8 ring's codes flip at rounding boundaries under fp32 noise between the cache's
     and the oracle's forwards (~1e-3 in the logits), which the oracle tests' tolerance would have to absorb; the
-    int8 ring has its own tests with that tolerance.
+    int8 ring has its own tests with that tolerance. The exact tokens stay in the model's dtype (exact_dtype "model"):
+    the oracle holds the history exactly, so bfloat16 exact starts of float32 models have their own tests.
     Sliding-window layers are compressed too (the harder path: the window applied over the pool);
     the default, window-sized exact sliding layers, has its own tests.
     """
-    levers = dict(exact_prefix_tokens=2, recent_window=4, sliding_layers="compressed", recent_format="exact")
+    levers = dict(exact_prefix_tokens=2, recent_window=4, sliding_layers="compressed", recent_format="exact",
+                  exact_dtype="model")
     return TurboQuantConfig.from_preset(overrides.pop("preset", "4bit"), full_precision_layers=(-1,),
                                         **{**levers, **overrides})
 
@@ -160,8 +162,9 @@ class FakeQuantLayer(DynamicLayer):
         lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
         if self.cfg.recent_window or forward_window:
             # the ring: int8 records of the tokens as given (recent_format "int8"), or the exact tokens
-            ring_k, ring_v = ((ring_round_trip(x[:, :, lo:]) for x in (keys, values))
-                              if self.cfg.recent_format == "int8" else (held_k[:, :, lo:], held_v[:, :, lo:]))
+            mean = None if self.key_offset is None else self.key_offset.to(keys.device)[:, :, None, :]
+            ring_k, ring_v = ((ring_round_trip(keys[:, :, lo:], mean), ring_round_trip(values[:, :, lo:]))
+                              if self.cfg.ring_records else (held_k[:, :, lo:], held_v[:, :, lo:]))
             k[:, :, lo:], v[:, :, lo:] = ring_k, ring_v
         if forward_window:
             k[:, :, start:], v[:, :, start:] = keys[:, :, start:], values[:, :, start:]
@@ -192,11 +195,18 @@ class FakeQuantLayer(DynamicLayer):
             self.key_offset = self.key_offset[indices.to(self.key_offset.device)]
 
 
-def ring_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """x as an int8 ring record holds it (the spec, independent of the kernels): round(x / s) * s per vector,
-    s = absmax / 127, in x's dtype."""
-    s = x.float().abs().amax(-1, keepdim=True) / 127
-    return (torch.floor(x.float() / torch.where(s > 0, s, 1.0) + 0.5).clamp(-127, 127) * s).to(x.dtype)
+def ring_round_trip(x: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """x as an int8 ring record holds it (the spec, independent of the kernels): y = x - offset (a key's
+    key_centering mean), per 16 elements round(y / s) * s with s = absmax / 127 rounded up to a bfloat16, + offset,
+    in x's dtype."""
+    y = x.float() - (0.0 if offset is None else offset.float())
+    groups = y.unflatten(-1, (-1, 16))
+    s = groups.abs().amax(-1, keepdim=True) / 127
+    up = s.to(torch.bfloat16).float()
+    up = torch.where(up < s, up + torch.ldexp(torch.ones_like(up), torch.frexp(up).exponent - 8), up)  # a step up
+    codes = torch.floor(groups / torch.where(up > 0, up, 1.0) + 0.5).clamp(-127, 127)
+    out = (codes * up).flatten(-2)
+    return (out if offset is None else out + offset.float()).to(x.dtype)
 
 
 def _prefix_from(quantized, exact, start, p):

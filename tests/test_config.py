@@ -34,7 +34,15 @@ def test_default_config_is_the_4bit_preset_with_the_measured_levers():
     assert (cfg.key_bits, cfg.value_bits, cfg.norm_correction) == (4, 4, True)
     assert (cfg.key_centering, cfg.value_rotation, cfg.exact_prefix_tokens, cfg.recent_window) == (True, True, 4, 128)
     assert all(TurboQuantConfig.from_preset(p).key_centering for p in PRESETS)  # FP8 keys too (Qwen2.5's biases)
-    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5 and cfg.recent_format == "exact"
+    assert cfg.full_precision_layers == () and cfg.dense_layer_kl == 0.5 and cfg.recent_format == "auto"
+
+
+@pytest.mark.parametrize("preset,records", [("4bit", True), ("k3v4", True), ("3bit", True), ("k8v4", False)])
+def test_ring_records_by_key_format(preset, records):
+    """recent_format "auto": int8 records for codebook keys, exact tokens for FP8 keys; "int8" / "exact" as named."""
+    assert TurboQuantConfig.from_preset(preset).ring_records is records
+    assert TurboQuantConfig.from_preset(preset, recent_format="int8").ring_records
+    assert not TurboQuantConfig.from_preset(preset, recent_format="exact").ring_records
 
 
 @pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),

@@ -16,7 +16,8 @@ def test_exact_buffers_take_a_16_bit_dtype(dtype, expected):
     config = TurboQuantConfig.from_preset("4bit", recent_window=8, exact_prefix_tokens=2, exact_dtype="16bit",
                                           recent_format="exact")
     assert config.exact_dtype_for(dtype) == expected
-    assert TurboQuantConfig.from_preset("4bit").exact_dtype_for(dtype) == dtype  # the default: the model's
+    assert TurboQuantConfig.from_preset("4bit").exact_dtype_for(dtype) == expected  # the default: 16-bit
+    assert TurboQuantConfig.from_preset("4bit", exact_dtype="model").exact_dtype_for(dtype) == dtype
     cache = TurboQuantCache(tiny_model("llama").config, tq_config=config)
     k = torch.randn(2, 2, 12, 32, dtype=dtype)
     cache.update(k, k.clone(), 0)

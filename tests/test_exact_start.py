@@ -14,7 +14,7 @@ from tq_hf.layout import BlockLayout
 pytestmark = pytest.mark.exact_start
 
 # a short exact start (head_dim 32: 33 tokens in float32 with an exact ring, 19 with an int8 ring)
-SMALL = dict(recent_window=16, exact_prefix_tokens=2, recent_format="exact")
+SMALL = dict(recent_window=16, exact_prefix_tokens=2, recent_format="exact", exact_dtype="model")
 
 
 def small_config(**fields) -> TurboQuantConfig:

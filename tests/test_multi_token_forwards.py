@@ -48,7 +48,7 @@ def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(pres
     not depend on attention, ends with the same means and codes as after one prefill."""
     model = tiny_model("llama")
     # (an exact ring: with int8 records the history a chunk stores again under settling means comes from the records)
-    cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None, recent_format="exact")
+    cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None, recent_format="exact", exact_dtype="model")
     ids = prompt(PROMPT + 6)
     whole = TurboQuantCache(model.config, tq_config=cfg)
     feed(model, whole, ids[:, :PROMPT], None)
@@ -89,7 +89,7 @@ def test_a_forward_of_several_tokens_attends_its_own_tokens_exactly():
 def test_generate_with_prefill_chunks_equals_the_oracle():
     model = tiny_model("qwen2")
     ids, mask, _ = left_padded_batch([PROMPT - 40, PROMPT - 3], seed=2)  # row 0's padding spans the first chunk
-    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact")  # (as above)
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact", exact_dtype="model")  # (as above)
     ours = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6,
                     prefill_chunk_size=32)
     oracle = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask), max_new_tokens=6,

@@ -810,25 +810,32 @@ def test_property_store_gather(preset, head_dim, block_size, heads, lengths, dty
     seed=st.integers(0, 2**31 - 1),
 )
 def test_property_int8_ring_records(dtype, head_dim, log_magnitude, seed):
-    """Every element within half a code step (absmax / 254) of what it was, finite from 1e-30 to 1e30, zero vectors
-    exact; the layout: head_dim int8 codes in [-127, 127], then the scale's fp32 bytes."""
+    """Every element of x - offset within half a code step of its group of 16 (the group's absmax / 254, the scale
+    rounded up to bfloat16) of what it was, finite from 1e-30 to 1e30, zero groups exact; the layout: head_dim int8
+    codes in [-127, 127], then each group's scale as bfloat16 bits, then zeros to a 16-byte multiple."""
     gen = torch.Generator().manual_seed(seed)
     magnitude = min(10.0**log_magnitude, 5e3 if dtype == torch.float16 else 1e30)
     x = (torch.randn(3, 2, 5, head_dim, generator=gen) * magnitude).to(dtype)
-    x[0, 0, 0] = 0
-    records = ref.encode_ring(x)
-    assert records.dtype == torch.int8 and records.shape == (3, 2, 5, head_dim + 16)
-    codes, scale = records[..., :head_dim], records[..., head_dim : head_dim + 4].contiguous().view(torch.float32)
-    assert not records[..., head_dim + 4 :].any()  # the tail's padding
+    offset = torch.randn(3, 2, 1, head_dim, generator=gen) * magnitude * 4  # a channel bias larger than the spread
+    offset[0, 0, 0] = x[0, 0, 0].float()  # a vector at its mean: codes and decoded y all zero
+    groups, tail = head_dim // 16, -(-head_dim // 128) * 16
+    records = ref.encode_ring(x, offset)
+    assert records.dtype == torch.int8 and records.shape == (3, 2, 5, head_dim + tail)
+    codes = records[..., :head_dim]
+    scale = (records[..., head_dim : head_dim + 2 * groups].contiguous().view(torch.bfloat16)).double()
+    assert not records[..., head_dim + 2 * groups :].any()  # the tail's padding
     assert int(codes.min()) >= -127 and int(codes.max()) <= 127
-    xd = x.double()
-    assert torch.allclose(scale.double(), xd.abs().amax(-1, keepdim=True) / 127, rtol=1e-6, atol=0)
-    back = ref.decode_ring(records)
-    assert bool(torch.isfinite(back).all()) and bool((back[0, 0, 0] == 0).all())
-    err = (back.double() - xd).abs()
-    assert bool((err <= scale.double() * (0.5 + 1e-5)).all()), float((err / scale.double()).max())
-    assert torch.equal(ref.ring_vectors(records), back) and ref.ring_vectors(x) is x
-    assert torch.equal(ref.to_ring(x, torch.int8), records) and ref.to_ring(x, torch.float32).dtype == torch.float32
+    y = x.double() - offset.double()
+    amax = y.unflatten(-1, (groups, 16)).abs().amax(-1)
+    assert bool((scale >= amax / 127).all()) and bool((scale <= amax / 127 * (1 + 2**-7) + 1e-300).all())
+    back = ref.decode_ring(records, offset)
+    assert bool(torch.isfinite(back).all())
+    err = (ref.decode_ring(records).double() - y).unflatten(-1, (groups, 16)).abs()
+    assert bool((err <= scale[..., None] * (0.5 + 1e-5)).all()), float((err / scale[..., None]).max())
+    assert not ref.decode_ring(records)[0, 0, 0].any() and not codes[0, 0, 0].any()
+    assert torch.equal(back, ref.decode_ring(records) + offset)
+    assert torch.equal(ref.ring_vectors(records, offset), back) and ref.ring_vectors(x) is x
+    assert torch.equal(ref.to_ring(x, torch.int8, offset), records) and ref.to_ring(x, torch.float32).dtype == torch.float32
 
 
 def test_overlay_recent_reads_int8_records_as_their_vectors():

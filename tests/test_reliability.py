@@ -41,9 +41,10 @@ SCALE = HEAD_DIM**-0.5
 MODULE = type("Attn", (), {"is_causal": True, "training": False, "num_key_value_groups": Q_HEADS // KV_HEADS})()
 
 # The plain model holds no exact ring (recent_window is covered by tests/test_cache.py and test_generate.py).
-PLAIN = dict(prefill_attention="compressed", value_rotation=False, exact_prefix_tokens=0, recent_window=0)
+PLAIN = dict(prefill_attention="compressed", value_rotation=False, exact_prefix_tokens=0, recent_window=0,
+             exact_dtype="model")
 FIDELITY = dict(key_centering=True, value_rotation=True, exact_prefix_tokens=2, recent_window=0,
-                prefill_attention="exact")
+                prefill_attention="exact", exact_dtype="model")
 
 
 def llama_config() -> LlamaConfig:

@@ -71,7 +71,7 @@ def test_compressed_long_window_layers_match_the_oracle():
     model = AutoModelForCausalLM.from_config(config, attn_implementation="turboquant").eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
-    cfg = TurboQuantConfig.from_preset("4bit", recent_window=4, exact_prefix_tokens=2)
+    cfg = TurboQuantConfig.from_preset("4bit", recent_window=4, exact_prefix_tokens=2, exact_dtype="model")
     ids, mask, _ = left_padded_batch([11, 6], seed=12)
     tokens, logits = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg))
     expected_tokens, expected_logits = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask))

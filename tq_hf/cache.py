@@ -65,7 +65,7 @@ def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
     of _reserve) and its exact prefix and ring, against 2 * head_dim * element_bytes per token and KV head."""
     cfg, t, dim = layout.config, layout.block_size, layout.head_dim
     dense_token = 2 * dim * element_bytes
-    ring_token = 2 * ring_record_bytes(dim) if cfg.recent_format == "int8" else dense_token
+    ring_token = 2 * ring_record_bytes(dim) if cfg.ring_records else dense_token
     side = cfg.exact_prefix_tokens * dense_token + cfg.recent_window * ring_token
     slack = min_growth_blocks(t) - 1  # blocks past the needed ones a pool may hold (besides capacity / GROWTH_DIVISOR)
 
@@ -274,7 +274,7 @@ class TurboQuantLayer(CacheLayerMixin):
             # a prefill-like forward: the "turboquant" attention refines the means once its mask tells the padding
             self._recenter_pending = not dense and (was_empty or new > 1)
         elif self.layout.config.key_centering and self.key_offset is None:
-            self.key_offset = _key_mean(key_states)  # per row and KV head, over the first update's tokens
+            self._set_means(_key_mean(key_states))  # per row and KV head, over the first update's tokens
             self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
         if new == 1:
@@ -347,9 +347,10 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.recent_keys is not None:  # the last min(new, W) tokens into ring slot position % W, kept slots only
             w = self.recent_keys.shape[2]
             ring, keep = pos[-w:] % w, kept[-w:, None]
-            for buf, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
+            offset = reference.ring_offset(self.key_offset)
+            for buf, x, off in ((self.recent_keys, key_states, offset), (self.recent_values, value_states, None)):
                 old = buf.index_select(2, ring)
-                buf.index_copy_(2, ring, torch.where(keep, reference.to_ring(x[:, :, -w:], buf.dtype), old))
+                buf.index_copy_(2, ring, torch.where(keep, reference.to_ring(x[:, :, -w:], buf.dtype, off), old))
         if self._prefix_open:
             self._copy_prefix(key_states, value_states, pos[0])
         self.seq_lens.add_(kept.sum().to(self.seq_lens.dtype))
@@ -527,16 +528,25 @@ class TurboQuantLayer(CacheLayerMixin):
     def use_config(self, config: TurboQuantConfig, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """From now on store keys and values in `config`'s format (the attention's per-layer check, at the first
         prefill: FP8 keys for a layer whose attention 3-4-bit keys move too far). Re-stores the history, which
-        `key_states`/`value_states` [rows, H, length, D] must be, with the layer's means; the exact prefix and
-        ring, the means and the lengths stay as they are."""
+        `key_states`/`value_states` [rows, H, length, D] must be, with the layer's means; the exact prefix, the
+        means and the lengths stay as they are, and so does the ring unless the new format keeps it in another kind
+        (config.ring_records)."""
         layout = BlockLayout(config, self.layout.num_kv_heads, self.layout.head_dim)
         if layout.block_size != self.layout.block_size or key_states.shape[2] != self.length:
             raise ValueError("use_config takes a format of the same block size and the layer's whole history")
         self.launches.drop()
         self.layout = layout
         self.pool = _static(layout.allocate(self.capacity * self.rows, self.device), self.max_cache_len is not None)
+        recent = None
+        if self.recent_keys is not None:  # a ring of the other kind (recent_format "auto": FP8 keys keep theirs
+            # exact) is written again from the history
+            shape, ring_dtype = layout.ring_spec(self.rows, self.ring_size, self.exact_dtype)
+            if ring_dtype != self.recent_keys.dtype:
+                self.recent_keys = self._zeros(None, shape, ring_dtype)
+                self.recent_values = self._zeros(None, shape, ring_dtype)
+                recent = (self.recent_keys, self.recent_values)
         ops.store(self.pool, layout, _tokens_first(key_states), _tokens_first(value_states),
-                  self._slots(0, key_states.shape[2]), key_offset=self.key_offset)
+                  self._slots(0, key_states.shape[2]), key_offset=self.key_offset, recent=recent, start=0)
 
     def recenter(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                  window: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -559,9 +569,9 @@ class TurboQuantLayer(CacheLayerMixin):
         rows, _, new, _ = key_states.shape
         pos = torch.arange(start, start + new, device=self.device)
         real = pos[None, :] >= self.kv_start.long()[:, None]  # [rows, new]
-        self.key_offset = _key_mean(key_states, real)
+        self._set_means(_key_mean(key_states, real))
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
-                  self._slots(start, new), key_offset=self.key_offset)
+                  self._slots(start, new), key_offset=self.key_offset, recent=self._records_ring(), start=start)
 
     # ---- key_centering means ------------------------------------------------------------------------
     def _settles_means(self) -> bool:
@@ -590,11 +600,12 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.key_offset is not None:  # rows complete before this forward keep their means
             done = (lo + w <= start)[:, None, None]
             means = torch.where(done, self.key_offset, means)
-        self.key_offset = means
+        self._set_means(means)
         if window is None:
             if restore_new:
                 ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states),
-                          self._slots(start, key_states.shape[2]), key_offset=self.key_offset)
+                          self._slots(start, key_states.shape[2]), key_offset=self.key_offset,
+                          recent=self._records_ring(), start=start)
             return
         count = keys.shape[2] if restore_new else self.ring_size
         kept = (pos[:count] >= max(self.recent_from, 0))[None, :].expand(self.rows, -1)
@@ -602,6 +613,21 @@ class TurboQuantLayer(CacheLayerMixin):
         values = _in_position_order(window[1], first)
         ops.store(self.pool, self.layout, _tokens_first(keys[:, :, :count]), _tokens_first(values[:, :, :count]),
                   slots, key_offset=self.key_offset)
+
+    def _set_means(self, means: torch.Tensor) -> None:
+        """New key_centering means; an int8 ring's key records, centered by the old ones, are encoded again with them
+        (the tokens a forward stores again with the new means are then rewritten from the exact K/V)."""
+        ring = self._records_ring()
+        if ring is not None:
+            vectors = reference.decode_ring(ring[0], reference.ring_offset(self.key_offset))
+            ring[0].copy_(reference.encode_ring(vectors, reference.ring_offset(means)))
+        self.key_offset = means
+
+    def _records_ring(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ring, when it holds int8 records (whose key records go with the means), else None."""
+        if self.recent_keys is None or self.recent_keys.dtype != torch.int8:
+            return None
+        return self.recent_keys, self.recent_values
 
     def _close_centering(self) -> None:
         """The means are final once every row has `recent_window` real tokens (a host bound: no read)."""
@@ -624,7 +650,10 @@ class TurboQuantLayer(CacheLayerMixin):
         pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
         out = []
         for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
-            seq = x if ring is None else torch.cat([reference.ring_vectors(ring.index_select(2, pos[:w] % w)).to(x.dtype), x], 2)
+            if ring is not None:
+                offset = reference.ring_offset(self.key_offset) if ring is self.recent_keys else None
+                x = torch.cat([reference.ring_vectors(ring.index_select(2, pos[:w] % w), offset).to(x.dtype), x], 2)
+            seq = x
             out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
         return out[0], out[1]
 
@@ -658,7 +687,7 @@ class TurboQuantLayer(CacheLayerMixin):
             k = reference.overlay_prefix(k, self.prefix_keys, self.kv_start)
             v = reference.overlay_prefix(v, self.prefix_values, self.kv_start)
         if self.recent_keys is not None:
-            k = reference.overlay_recent(k, self.recent_keys, self.seq_lens, self.recent_from)
+            k = reference.overlay_recent(k, self.recent_keys, self.seq_lens, self.recent_from, self.key_offset)
             v = reference.overlay_recent(v, self.recent_values, self.seq_lens, self.recent_from)
         return k[:, :, :tokens].to(dtype), v[:, :, :tokens].to(dtype)
 
@@ -853,6 +882,14 @@ def _tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def exact_start_tokens(layout: BlockLayout, element_bytes: int) -> int:
+    """compress_from_tokens=None: break_even_tokens, and at least twice the ring, so the first prefill that
+    compresses (its per-layer check, its centering means) sees a ring's worth of tokens besides the ring's own
+    (Gemma-3-270M k3v4, 4k tokens: compressing from 128 tokens, where an int8 ring breaks even, the check missed
+    FP8 keys for layers 5 and 11 in some windows: mean KL 0.0059, against 0.0034 from 256)."""
+    return max(break_even_tokens(layout, element_bytes), 2 * layout.config.recent_window)
+
+
 class ExactStartLayer(DynamicLayer):
     """A compressed layer's first tokens, held exact as transformers' DynamicLayer holds them, until a forward
     takes the rows past `compress_from` tokens (TurboQuantConfig.compress_from_tokens): the owning cache then puts
@@ -862,12 +899,12 @@ class ExactStartLayer(DynamicLayer):
     def __init__(self, config: TurboQuantConfig):
         super().__init__()
         self.tq_config = config
-        self.compress_from = config.compress_from_tokens  # None: from break_even_tokens at the first update
+        self.compress_from = config.compress_from_tokens  # None: from exact_start_tokens at the first update
 
     def takes(self, new_tokens: int, layout: BlockLayout, dtype: torch.dtype) -> bool:
         """Whether a forward of `new_tokens` tokens stays within the exact start."""
         if self.compress_from is None:
-            self.compress_from = break_even_tokens(layout, self.tq_config.exact_dtype_for(dtype).itemsize)
+            self.compress_from = exact_start_tokens(layout, self.tq_config.exact_dtype_for(dtype).itemsize)
         return self.get_seq_length() + new_tokens <= self.compress_from
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

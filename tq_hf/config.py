@@ -24,7 +24,7 @@ SLIDING_COMPRESS_MIN_WINDOW = 4096
 SENSITIVE_LAYER_KEYS = ("fp8", "dense")  # TurboQuantConfig.sensitive_layer_keys
 PREFILL_MODES = ("exact", "compressed")
 EXACT_DTYPES = ("model", "16bit")  # TurboQuantConfig.exact_dtype
-RECENT_FORMATS = ("int8", "exact")  # TurboQuantConfig.recent_format
+RECENT_FORMATS = ("auto", "int8", "exact")  # TurboQuantConfig.recent_format
 HEAD_DIM_MULTIPLE = 16  # keeps every packed row a whole number of bytes and tiles 16-aligned
 HEAD_DIM_RANGE = (32, 256)
 MAX_RECENT_WINDOW = 4096  # exact most-recent tokens per row (a dense ring buffer)
@@ -83,14 +83,15 @@ class TurboQuantConfig:
     recent_window: the most recent tokens of every row are also kept, in a ring buffer of this many
         tokens (recent_format), and read from there by attention (as HF's QuantizedCache keeps its
         residual); 0 turns it off. A constant, not a per-token, cost.
-    recent_format: how the ring keeps its tokens. "exact" (default): in exact_dtype. "int8": each token's key and
-        value per KV head as int8 codes round(x / s) with an fp32 scale s = absmax / 127 in a 16-byte tail
-        (layout.ring_record_bytes: 0.56x a 16-bit vector's bytes at head_dim 128, so 4bit holds 0.34x of fp16 at 1k
-        tokens instead of 0.40x). While a row's key_centering means settle over several forwards (a prompt fed in
-        chunks shorter than the ring), the history those forwards store again comes from the records. Not the
-        default: one scale per vector rounds keys with outlier channels coarsely (4k tokens, perplexity vs fp16:
-        SmolLM2 4bit +0.07% either way, Qwen2.5-0.5B k8v4 +0.44% against +0.04%, Gemma-3-270M 3bit +0.72%
-        against +0.30%; docs/performance.md, "The ring in int8 records").
+    recent_format: how the ring keeps its tokens. "int8": each token's key and value per KV head as int8 records
+        (layout.ring_record_bytes: 0.56x a 16-bit vector's bytes at head_dim 128), a bfloat16 scale per 16 elements,
+        keys less their key_centering mean, so 4bit holds 0.34x of fp16 at 1k tokens instead of 0.39x, and 0.28x
+        instead of 0.32x at 4k in float32. "exact": in exact_dtype. "auto" (default): "int8" for codebook keys
+        (4bit, k3v4, 3bit), whose own rounding dwarfs the records' (4k tokens, perplexity vs fp16 within 0.01-0.03
+        points of the exact ring's); "exact" for FP8 keys (k8v4), whose attention is close enough to fp16 that the
+        records would still show (Qwen2.5-0.5B KL +32%, simulated; docs/performance.md, "The ring in int8 records").
+        While a row's key_centering means settle over several forwards (a prompt fed in chunks shorter than the
+        ring), the history those forwards store again comes from the records.
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
         "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
         tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
@@ -115,13 +116,16 @@ class TurboQuantConfig:
         an ordinary dense layer, and compresses them all once a forward takes it past this many tokens per row.
         None (default): the least length from which the compressed layer (pool, growth slack, exact prefix and
         ring) never holds more bytes than the same tokens dense in exact_dtype (tq_hf.cache.break_even_tokens:
-        207 at head_dim 128 for 4bit in fp16), so a cache is never larger than a DynamicCache of that dtype, and
-        short conversations attend exactly. 0: compress from the first token. A fixed-capacity cache always compresses
+        127 at head_dim 128 for 4bit in 16 bits), and at least twice recent_window (256), so a cache is never larger
+        than a DynamicCache of that dtype, short conversations attend exactly, and the first prefill that compresses
+        (its per-layer check, its centering means) sees more than the ring's tokens (tq_hf.cache.exact_start_tokens). 0: compress from the first token. A fixed-capacity cache always compresses
         from the first token (its buffers are allocated once, for compiled steps).
-    exact_dtype: the dtype of the tokens kept exact (the exact start, prefix and ring). "model" (default): the
-        model's. "16bit": the model's when it is 16-bit, else bfloat16, so a float32 model's exact tokens cost what
-        an fp16 cache's do (float32's range kept; 8 mantissa bits: SmolLM2 in float32, 3bit, +0.31% perplexity
-        instead of +0.28%). A forward's own tokens are attended in the model's dtype either way.
+    exact_dtype: the dtype of the tokens kept exact (the exact start, prefix and an exact ring). "16bit" (default):
+        the model's when it is 16-bit, else bfloat16, so a float32 model's cache never holds more than an fp16
+        cache's bytes (float32's range kept; 8 mantissa bits: SmolLM2 in float32, 4k tokens, perplexity vs fp16
+        within 0.04 points of "model"'s for every preset; docs/performance.md). "model": the model's dtype (a
+        float32 model's exact start then costs 2x an fp16 cache's). A forward's own tokens are attended in the
+        model's dtype either way.
     seed: seeds the rotation.
     """
 
@@ -135,13 +139,13 @@ class TurboQuantConfig:
     value_rotation: bool = True
     exact_prefix_tokens: int = 4
     recent_window: int = 128
-    recent_format: str = "exact"
+    recent_format: str = "auto"
     sliding_layers: str = "auto"
     prefill_attention: str = "exact"
     dense_layer_kl: float | None = 0.5
     sensitive_layer_keys: str = "fp8"
     compress_from_tokens: int | None = None
-    exact_dtype: str = "model"
+    exact_dtype: str = "16bit"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -246,6 +250,11 @@ class TurboQuantConfig:
         if self.sensitive_layer_keys != "fp8" or self.key_bits == 8:
             return None
         return dataclasses.replace(self, key_bits=8, value_bits=4)
+
+    @property
+    def ring_records(self) -> bool:
+        """Whether the ring holds int8 records (recent_format, "auto" resolved), else exact tokens."""
+        return self.recent_format == "int8" or (self.recent_format == "auto" and self.uses_codebook)
 
     def exact_dtype_for(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the exact tokens of a model of `model_dtype` are kept in (exact_dtype)."""

@@ -42,9 +42,12 @@ Codebook key codes name a centroid through reference.stored_codes: 4-bit keys ar
 (bit 3 set for the negative half, low 3 bits the magnitude rank), 3-bit keys the level itself.
 
 The recent ring (recent_window) beside the pool, per row and KV head: W slots, position p at slot p % W.
-With recent_format "int8" a slot holds one record per key and per value of ring_record_bytes(D) bytes:
-D int8 codes c_i = floor(x_i / s + 1/2) clamped to [-127, 127], then the fp32 bytes of s = absmax(x) / 127 and 12
-zero bytes (reference.encode_ring); x ~= c * s. With "exact" a slot holds the D elements in exact_dtype.
+With recent_format "int8" a slot holds one record per key and per value of ring_record_bytes(D) bytes: D int8
+codes c_i = floor(y_i / s_g + 1/2) clamped to [-127, 127], then the bfloat16 bits of each group's scale s_g (the
+smallest bfloat16 >= absmax over the group's 16 elements / 127) and zero bytes to ring_tail_bytes(D)
+(reference.encode_ring); y ~= c * s_g. A key record holds y = k - mu, the layer's key_centering mean (0 without
+one), so the channel biases of keys (Qwen2.5's k_proj) do not set its steps; a value record holds y = v. With
+"exact" a slot holds the D elements in exact_dtype.
 
 Metadata meaning:
   * key_scale: codebook keys: the RMS of the key divided by the RMS of its codebook vector
@@ -62,15 +65,30 @@ from .config import METADATA_FIELDS, TurboQuantConfig
 
 KEY_SCALE, VALUE_SCALE, VALUE_MID = range(len(METADATA_FIELDS))
 METADATA_DTYPE = torch.bfloat16
-# an int8 ring record's tail after its codes: the fp32 scale, then zeros to a 16-byte multiple (records a multiple of
-# 16 bytes apart: the kernels' ring tiles load wide; at a 4-byte tail they loaded bytes, 4bit B=1 decode 1.6x slower)
-RING_TAIL_BYTES = 16
+# an int8 ring record: a bfloat16 scale per RING_GROUP elements after its codes, then zeros to a 16-byte multiple
+# (records a multiple of 16 bytes apart: the kernels' ring tiles load wide; at a 4-byte tail they loaded bytes, 4bit
+# B=1 decode 1.6x slower). One scale per vector rounded keys with outlier channels coarsely (docs/performance.md,
+# "The ring in int8 records").
+RING_GROUP = 16
 RING_CODE_MAX = 127
 
 
+def ring_tail_bytes(head_dim: int) -> int:
+    """Bytes after an int8 ring record's codes: head_dim / RING_GROUP bfloat16 scales, padded to 16 bytes."""
+    return -(-2 * (head_dim // RING_GROUP) // 16) * 16
+
+
 def ring_record_bytes(head_dim: int) -> int:
-    """Bytes of one int8 ring record (recent_format "int8"): head_dim codes, then the fp32 scale and 12 zero bytes."""
-    return head_dim + RING_TAIL_BYTES
+    """Bytes of one int8 ring record (recent_format "int8"): head_dim codes, then the scales (ring_tail_bytes)."""
+    return head_dim + ring_tail_bytes(head_dim)
+
+
+def ring_record_head_dim(record_bytes: int) -> int:
+    """The head_dim of int8 ring records `record_bytes` long (the inverse of ring_record_bytes)."""
+    for tail in (16, 32):
+        if ring_record_bytes(record_bytes - tail) == record_bytes:
+            return record_bytes - tail
+    raise ValueError(f"{record_bytes} bytes is no int8 ring record's length")
 
 
 def key_planes(config: TurboQuantConfig, head_dim: int) -> bool:
@@ -148,7 +166,7 @@ class BlockLayout:
 
     def ring_spec(self, rows: int, window: int, exact_dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the ring's key (and value) buffer: int8 records or exact_dtype elements."""
-        if self.config.recent_format == "int8":
+        if self.config.ring_records:
             return (rows, self.num_kv_heads, window, ring_record_bytes(self.head_dim)), torch.int8
         return (rows, self.num_kv_heads, window, self.head_dim), exact_dtype
 

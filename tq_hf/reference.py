@@ -32,11 +32,13 @@ from .layout import (
     KEY_SCALE,
     METADATA_DTYPE,
     RING_CODE_MAX,
-    RING_TAIL_BYTES,
+    RING_GROUP,
     VALUE_MID,
     VALUE_SCALE,
     BlockLayout,
     key_planes,
+    ring_record_head_dim,
+    ring_tail_bytes,
     value_planes,
 )
 
@@ -306,7 +308,7 @@ def store(
     """
     key, value = token_rows(key), token_rows(value)
     if recent is not None:
-        write_recent(recent, key, value, start)
+        write_recent(recent, key, value, start, key_offset)
     if seq_lens is not None:
         seq_lens.fill_(start + key.shape[0] // max(seq_lens.shape[0], 1))
     cfg = layout.config
@@ -333,9 +335,10 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
-                 start: int) -> None:
+                 start: int, key_offset: torch.Tensor | None = None) -> None:
     """The last min(L, W) of each row's L new tokens (key/value [R * L, H, D], row-major; row r's token t at position
-    start + t) into the ring (keys, values) at slot position % W: int8 records (encode_ring) or the ring's dtype."""
+    start + t) into the ring (keys, values) at slot position % W: int8 records (encode_ring; key records centered
+    by key_offset, [H, D] or [R, H, D]) or the ring's dtype."""
     ring_k, ring_v = recent
     rows, w = ring_k.shape[0], ring_k.shape[2]
     if rows == 0 or key.shape[0] % rows:
@@ -343,38 +346,53 @@ def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, v
     length = key.shape[0] // rows
     m = min(length, w)
     idx = (start + torch.arange(length - m, length, device=ring_k.device)) % w
-    for ring, x in ((ring_k, key), (ring_v, value)):
+    for ring, x, offset in ((ring_k, key, ring_offset(key_offset)), (ring_v, value, None)):
         src = x.reshape(rows, length, *x.shape[1:])[:, length - m :]  # [R, m, H, D]
-        ring[:, :, idx] = to_ring(src.transpose(1, 2), ring.dtype)
+        ring[:, :, idx] = to_ring(src.transpose(1, 2), ring.dtype, offset)
 
 
-def encode_ring(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> int8 ring records [..., D + 16] (layout: recent_format "int8"): codes floor(x / s + 1/2) clamped to
-    [-127, 127], then the fp32 bytes of s = absmax / 127 (0 for a zero vector: codes 0) and 12 zero bytes."""
-    x = x.float()
-    amax = x.abs().amax(-1, keepdim=True)
-    s = amax / torch.full_like(amax, RING_CODE_MAX)  # (a tensor divisor: CUDA divides by a scalar as x * (1 / b))
-    codes = torch.floor(x / torch.where(s > 0, s, 1.0) + 0.5).clamp(-RING_CODE_MAX, RING_CODE_MAX)
-    # the tail as fp32 words (s, then zeros) viewed as bytes: a view of s alone, [..., 1], failed under inductor on
-    # CUDA (its size-1 last dimension laid out with stride 4: "self.stride(-1) must be 1 to view Float as Char")
-    tail = torch.cat([s, s.new_zeros(*s.shape[:-1], RING_TAIL_BYTES // 4 - 1)], -1)
-    return torch.cat([codes.to(torch.int8), tail.view(torch.int8)], -1)
+def ring_offset(key_offset: torch.Tensor | None) -> torch.Tensor | None:
+    """A key_centering mean ([H, D] shared or [R, H, D] per row) as it broadcasts over a ring [R, H, W, D]."""
+    return None if key_offset is None else row_offset(key_offset)[:, :, None, :]
 
 
-def decode_ring(records: torch.Tensor) -> torch.Tensor:
-    """int8 ring records [..., D + 16] -> the vectors [..., D] as fp32 (codes x scale)."""
-    d = records.shape[-1] - RING_TAIL_BYTES
-    return records[..., :d].float() * records[..., d : d + 4].contiguous().view(torch.float32)
+def encode_ring(x: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., D] -> int8 ring records [..., ring_record_bytes(D)] (layout: recent_format "int8") of y = x - offset:
+    per RING_GROUP elements a scale s (the smallest bfloat16 >= the group's absmax / 127; 0 for a zero group:
+    codes 0) and codes floor(y / s + 1/2) clamped to [-127, 127]; after the codes the scales' bfloat16 bits, then
+    zeros."""
+    y = x.float() if offset is None else x.float() - offset.float()
+    d = y.shape[-1]
+    groups = y.unflatten(-1, (d // RING_GROUP, RING_GROUP))
+    amax = groups.abs().amax(-1)
+    s = bf16_round_up(amax / torch.full_like(amax, RING_CODE_MAX))  # (a tensor divisor: CUDA divides by a scalar
+    # as x * (1 / b)); the codes use the rounded scale, so |y| / s <= 127 and decoding is exact in fp32
+    codes = torch.floor(groups / torch.where(s > 0, s, 1.0)[..., None] + 0.5).clamp(-RING_CODE_MAX, RING_CODE_MAX)
+    # the scales' high halves as int32 words (two per word, little-endian), viewed as bytes: a view of 16-bit data
+    # alone failed under inductor on CUDA ("self.stride(-1) must be 1 to view Float as Char")
+    half = (s.view(torch.int32) >> 16) & 0xFFFF
+    pairs = torch.nn.functional.pad(half, (0, ring_tail_bytes(d) // 2 - half.shape[-1])).unflatten(-1, (-1, 2))
+    words = pairs[..., 0] | (pairs[..., 1] << 16)
+    return torch.cat([codes.flatten(-2).to(torch.int8), words.view(torch.int8)], -1)
 
 
-def to_ring(x: torch.Tensor, ring_dtype: torch.dtype) -> torch.Tensor:
-    """Vectors [..., D] as a ring of `ring_dtype` holds them: int8 records, else cast."""
-    return encode_ring(x) if ring_dtype == torch.int8 else x.to(ring_dtype)
+def decode_ring(records: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 ring records [..., ring_record_bytes(D)] -> the vectors [..., D] as fp32 (codes x scale, + offset)."""
+    d = ring_record_head_dim(records.shape[-1])
+    half = records[..., d : d + 2 * (d // RING_GROUP)].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    s = (half << 16).view(torch.float32)
+    y = (records[..., :d].float().unflatten(-1, (d // RING_GROUP, RING_GROUP)) * s[..., None]).flatten(-2)
+    return y if offset is None else y + offset.float()
 
 
-def ring_vectors(ring: torch.Tensor) -> torch.Tensor:
-    """The vectors a ring holds, [..., D]: int8 records decoded (fp32), else the ring itself."""
-    return decode_ring(ring) if ring.dtype == torch.int8 else ring
+def to_ring(x: torch.Tensor, ring_dtype: torch.dtype, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """Vectors [..., D] as a ring of `ring_dtype` holds them: int8 records (of x - offset), else cast."""
+    return encode_ring(x, offset) if ring_dtype == torch.int8 else x.to(ring_dtype)
+
+
+def ring_vectors(ring: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The vectors a ring holds, [..., D]: int8 records decoded (fp32; key records + their offset), else the ring."""
+    return decode_ring(ring, offset) if ring.dtype == torch.int8 else ring
 
 
 def per_token_offset(key_offset: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
@@ -431,14 +449,15 @@ def overlay_prefix(dense: torch.Tensor, prefix: torch.Tensor, kv_start: torch.Te
     return torch.where(inside[:, None, :, None], picked, dense)
 
 
-def overlay_recent(dense: torch.Tensor, ring: torch.Tensor, seq_lens: torch.Tensor, recent_from: int) -> torch.Tensor:
+def overlay_recent(dense: torch.Tensor, ring: torch.Tensor, seq_lens: torch.Tensor, recent_from: int,
+                   key_offset: torch.Tensor | None = None) -> torch.Tensor:
     """dense [B, H, S, D] with positions j in [max(recent_from, seq_lens[b] - W), seq_lens[b]) taken
-    from ring[:, :, j % W] (ring [B, H, W, D], or int8 records: ring_vectors)."""
+    from ring[:, :, j % W] (ring [B, H, W, D], or int8 records: ring_vectors; key records with key_offset)."""
     w = ring.shape[2]
     j = torch.arange(dense.shape[2], device=dense.device)
     lo = (seq_lens.long() - w).clamp_min(recent_from)
     inside = (j[None, :] >= lo[:, None]) & (j[None, :] < seq_lens.long()[:, None])  # [B, S]
-    picked = ring_vectors(ring).float()[:, :, j % w]
+    picked = ring_vectors(ring, ring_offset(key_offset) if ring.dtype == torch.int8 else None).float()[:, :, j % w]
     return torch.where(inside[:, None, :, None], picked, dense)
 
 
@@ -541,7 +560,7 @@ def paged_attention(
         k = overlay_prefix(k, prefix_keys, kv_start)
         v = overlay_prefix(v, prefix_values, kv_start)
     if recent_keys is not None:
-        k = overlay_recent(k, recent_keys, seq_lens, recent_from)
+        k = overlay_recent(k, recent_keys, seq_lens, recent_from, key_offset)
         v = overlay_recent(v, recent_values, seq_lens, recent_from)
     mask = attention_mask(query.shape[2], k.shape[2], seq_lens, kv_start, sliding_window)
     out = dense_attention(query, k, v, mask, scale, sinks, softcap)

@@ -406,6 +406,16 @@ def test_int8_ring_records_decode(preset, options, head_dim, dtype, exact_progra
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
 
 
+@pytest.mark.parametrize("records,spread", [(True, False), (False, True)])
+def test_ring_tiles_spread_over_the_splits(records, spread):
+    """Split decode with the ring's tiles shared out over the split programs, or walked by one (ring_spread): both
+    the reference's attention, for an exact ring and int8 records (whose default is to share them out)."""
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    _check(layout, [3, 37, 90], 1, 4, dtype=torch.float16, prefix_len=2, recent=(48, 0), ring_records=records,
+           num_splits=4, kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(ring_spread=spread),
+           **_fidelity_options(layout, 4))
+
+
 @pytest.mark.parametrize("preset,dtype", [("4bit", torch.float16), ("k8v4", torch.float32)])
 def test_int8_ring_records_prefill(preset, dtype):
     layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)

@@ -135,12 +135,13 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
         assert bad.numel() == 0, f"ring {what}: {bad.shape[0]} elements differ, first at {bad[:3].tolist()}"
     written = min(length, w)  # the spec wrote this many slots per row and head; the rest still hold the poison
     assert int((want_ring[0] != poison).any(-1).sum()) == rows * 2 * written
-    if ring_dtype == torch.int8:  # the records hold the tokens to half a code step (an independent decode)
-        got_k = got_ring[0][..., :64].float() * got_ring[0][..., 64:68].contiguous().view(torch.float32)
-        last = key.float().reshape(rows, length, 2, 64)[:, length - written :].transpose(1, 2)
+    if ring_dtype == torch.int8:  # the records hold k - mu to half a code step of each group (an independent decode)
+        scales = got_ring[0][..., 64:72].contiguous().view(torch.bfloat16).float()  # [rows, H, W, 4]
+        got_k = (got_ring[0][..., :64].float().unflatten(-1, (4, 16)) * scales[..., None]).flatten(-2)
+        last = key.float().reshape(rows, length, 2, 64)[:, length - written :].transpose(1, 2) - mu[:, :, None]
         slots_of = (start + torch.arange(length - written, length, device=DEVICE)) % w
-        step = last.abs().amax(-1, keepdim=True) / 127
-        assert bool(((got_k[:, :, slots_of] - last).abs() <= step * 0.5 * (1 + 1e-5)).all())
+        step = (last.unflatten(-1, (4, 16)).abs().amax(-1, keepdim=True) / 127).expand(-1, -1, -1, -1, 16).flatten(-2)
+        assert bool(((got_k[:, :, slots_of] - last).abs() <= step * 0.5 * (1 + 2**-7)).all())
         assert torch.isfinite(got_k).all()
     assert got_len.tolist() == want_len.tolist() == [start + length] * rows
 

@@ -102,7 +102,8 @@ def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, lette
     records = kind == "recent" and keys.dtype == torch.int8  # int8 ring records (layout.ring_spec)
     width = layout.ring_width(keys.dtype) if records else layout.head_dim
     expected = (f"[{batch}, {layout.num_kv_heads}, {letter}, {width}] with 1 <= {letter} <= {limit}"
-                + (" (int8 ring records: head_dim codes, then a 16-byte tail with the fp32 scale)" if records else ""))
+                + (" (int8 ring records: head_dim codes, then a bfloat16 scale per 16 of them, padded to 16 bytes)"
+                   if records else ""))
     for name, t in ((k_name, keys), (v_name, values)):
         check_tensor(name, t, dim=4, dtypes=(torch.int8,) if records else ACTIVATION_DTYPES, device=device)
         b, hk, n, d = t.shape
@@ -118,10 +119,11 @@ def _check_exact_buffers(kind: str, keys, values, limit: int, option: str, lette
 
 
 def check_ring_alignment(name: str, t: torch.Tensor) -> None:
-    """int8 ring records [.., .., W, D + 16] keep each fp32 scale on a 4-byte boundary (the kernels load it as fp32)."""
+    """int8 ring records [.., .., W, ring_record_bytes(D)] keep their 16-bit scales 2-byte aligned and each record
+    4-byte aligned (the kernels load the scales as 16-bit words)."""
     if t.stride(0) % 4 or t.stride(1) % 4 or t.stride(2) % 4 or t.storage_offset() % 4:
-        raise ValueError(f"{name}: int8 ring records must keep their fp32 scales 4-byte aligned (strides and offset "
-                         f"multiples of 4), got strides {t.stride()} and offset {t.storage_offset()}")
+        raise ValueError(f"{name}: int8 ring records must start 4-byte aligned (strides and offset multiples of 4), "
+                         f"got strides {t.stride()} and offset {t.storage_offset()}")
 
 
 def check_prefix(prefix_keys, prefix_values, layout: BlockLayout, batch: int, device) -> int:

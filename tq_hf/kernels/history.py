@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from ..layout import BlockLayout
-from ..reference import ring_vectors
+from ..reference import ring_offset, ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
 from .dequantize import dequantize_rotated
@@ -78,6 +78,7 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     dtype = query.dtype
     rot_t, vrot, vrot_t = _rotations(layout, str(pool.device), dtype)
     q = query if rot_t is None else query @ rot_t
+    mean = key_offset  # (int8 ring key records hold keys less the unrotated mean)
     if key_offset is not None and rot_t is not None:
         key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
     mask = None if lq == length else causal_lower_right(lq, length)
@@ -90,7 +91,9 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
             lo = length
             if recent_keys is not None:  # the ring serves [lo, length), over the prefix where they meet
                 lo = max(recent_from, length - recent_keys.shape[2], 0)
-                _copy_ring(k, _rotated(ring_vectors(recent_keys[rows]), rot_t, dtype), lo, length)
+                ring_mean = None if mean is None or recent_keys.dtype != torch.int8 else ring_offset(
+                    mean[rows] if mean.dim() == 3 else mean)
+                _copy_ring(k, _rotated(ring_vectors(recent_keys[rows], ring_mean), rot_t, dtype), lo, length)
                 _copy_ring(v, _rotated(ring_vectors(recent_values[rows]), vrot_t, dtype), lo, length)
             p = min(prefix_len, lo)
             if p:

@@ -20,7 +20,8 @@ class LaunchConfig:
     pipeline depth on a GPU); maxnreg: register cap per thread (NO_REGISTER_CAP: none).
     key_lut: 4-bit / 3-bit-plane keys decoded by byte permutes (False: centroids gathered).
     value_words: 4-bit value codes as 16-bit words into 4 accumulators (else bytes into 2).
-    exact_program: split decode attends the exact prefix and ring in a program of its own.
+    exact_program: split decode attends the exact prefix and ring in a program of its own; ring_spread: split
+    decode shares the ring's tiles out over all its programs (else one walks them all).
     meta_pairs: per-token metadata loaded as 32-bit words of two tokens; meta_words: else each token's fields
     from its pair's 32-bit word; vmid_chain: v_mid's load joins the value MMA operand (so it is prefetched);
     bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
@@ -46,6 +47,7 @@ class LaunchConfig:
     key_words: bool | None = None
     head_pairs: int | None = None
     ring_n: int | None = None
+    ring_spread: bool | None = None
     warp_split: bool | None = None
     rotate_in_reduce: bool | None = None
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..codebook import is_symmetric
-from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, value_planes
+from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, ring_tail_bytes, value_planes
 from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_ring_alignment, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
@@ -155,20 +155,26 @@ def _token_planes(slot, ok, pool_ptr, block_bytes, head_bytes, T: tl.constexpr):
 
 
 @triton.jit
-def _write_ring(ring_ptr, ring_row, cols, raw, rmask, in_ring, D: tl.constexpr, RING_Q8: tl.constexpr):
+def _write_ring(ring_ptr, ring_row, cols, raw, rmask, in_ring, D: tl.constexpr, DP: tl.constexpr,
+                BLOCK_T: tl.constexpr, RING_Q8: tl.constexpr, TAIL_HALVES: tl.constexpr):
     """Tokens into their ring slots (row offsets ring_row): as they are, in the ring's dtype, or as int8 records
-    (reference.encode_ring, bit for bit: codes floor(x / s + 1/2), s = absmax / 127, then a 16-byte tail of s's
-    fp32 bytes and zeros)."""
+    (reference.encode_ring, bit for bit: per 16 elements s = the smallest bfloat16 >= absmax / 127 and codes
+    floor(x / s + 1/2), then the scales' bfloat16 bits and zeros to TAIL_HALVES 16-bit words)."""
     if RING_Q8:
-        x = tl.where(rmask, raw.to(tl.float32), 0.0)
-        s = tl.math.div_rn(tl.max(tl.abs(x), axis=1), 127.0)
-        c = tl.floor(tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, None]) + 0.5)
-        c = tl.minimum(tl.maximum(c, -127.0), 127.0)
+        GROUPS: tl.constexpr = DP // 16
+        x = tl.reshape(tl.where(rmask, raw.to(tl.float32), 0.0), (BLOCK_T, GROUPS, 16))
+        s_bits = bf16_up_bits(tl.math.div_rn(tl.max(tl.abs(x), axis=2), 127.0))  # [BLOCK_T, GROUPS]
+        s = bf16_bits_to_f32(s_bits)
+        c = tl.floor(tl.math.div_rn(x, tl.where(s > 0, s, 1.0)[:, :, None]) + 0.5)
+        c = tl.reshape(tl.minimum(tl.maximum(c, -127.0), 127.0), (BLOCK_T, DP))
         tl.store(ring_ptr + ring_row[:, None] + cols[None, :], c.to(tl.int8), mask=rmask)
-        words = tl.arange(0, 4)  # the tail as 4 int32 words: s's bits, then zeros
-        tail = tl.where(words[None, :] == 0, s.to(tl.int32, bitcast=True)[:, None], 0)
-        tl.store((ring_ptr + ring_row + D).to(tl.pointer_type(tl.int32))[:, None] + words[None, :], tail,
-                 mask=in_ring[:, None])
+        tail = (ring_ptr + ring_row + D).to(tl.pointer_type(tl.int16))
+        g = tl.arange(0, GROUPS)
+        tl.store(tail[:, None] + g[None, :], s_bits.to(tl.uint16).to(tl.int16, bitcast=True),
+                 mask=in_ring[:, None] & (g[None, :] < D // 16))
+        w = tl.arange(0, TAIL_HALVES)
+        tl.store(tail[:, None] + w[None, :], tl.zeros((BLOCK_T, TAIL_HALVES), tl.int16),
+                 mask=in_ring[:, None] & (w[None, :] >= D // 16))
     else:
         tl.store(ring_ptr + ring_row[:, None] + cols[None, :], raw.to(ring_ptr.dtype.element_ty), mask=rmask)
 
@@ -200,6 +206,7 @@ def _store_kernel(
     HADAMARD: tl.constexpr,  # rotation="hadamard": rotations built in registers (hadamard_dot), R / Rv not read
     HAS_RING: tl.constexpr, HAS_SEQ: tl.constexpr,
     RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
+    RING_TAIL_HALVES: tl.constexpr,  # 16-bit words after an int8 record's codes (layout.ring_tail_bytes / 2)
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -228,8 +235,11 @@ def _store_kernel(
         # ---------------- keys ----------------
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
-            _write_ring(rk_ptr, ring_row, cols, tl.load(kbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
-                        D, RING_Q8)
+            kr = tl.load(kbase[:, None] + cols[None, :], mask=rmask)
+            if RING_Q8 and HAS_KEY_OFFSET:  # key records hold k - mu (layout: the ring)
+                rrow = (n // tokens_per_row).to(tl.int64) * s_koff + h * D
+                kr = kr.to(tl.float32) - tl.load(koff_ptr + rrow[:, None] + cols[None, :], mask=rmask, other=0.0)
+            _write_ring(rk_ptr, ring_row, cols, kr, rmask, in_ring, D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
         if HAS_SEQ:  # the rows' new lengths, by each row's last token (the keys' programs of head 0)
             if h == 0:
                 last = (n < N) & (t_row == tokens_per_row - 1)
@@ -283,7 +293,7 @@ def _store_kernel(
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING:
             _write_ring(rv_ptr, ring_row, cols, tl.load(vbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
-                        D, RING_Q8)
+                        D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         HALF: tl.constexpr = LEVELS / 2
         if VALUE_BITS == 4:
@@ -521,6 +531,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
             HAS_RING=ring_k is not None, HAS_SEQ=seq_lens is not None,
             RING_Q8=ring_k is not None and ring_k.dtype == torch.int8,
+            RING_TAIL_HALVES=ring_tail_bytes(layout.head_dim) // 2,
             num_warps=num_warps,
         ))
     ring_scalars = (*ring_k.stride()[:3], ring_k.shape[2]) if ring_k is not None else (0, 0, 0, 0)

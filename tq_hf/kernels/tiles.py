@@ -25,38 +25,65 @@ from .metadata import heads_meta, load_meta, load_meta_pairs
 from .softmax import add_pairs, log2_logits, rescaled_dot, softmax_p, softmax_step
 
 @triton.jit
-def _exact_value_cols(v_base, s_pos, pc, p_ok, cols, col_ok):
-    """Columns `cols` of the exact values [N, D] (prefix or ring; an int8 ring's codes), as fp32."""
-    v = tl.load(v_base + pc[:, None] * s_pos + cols[None, :], mask=p_ok[:, None] & col_ok[None, :], other=0)
-    return v.to(tl.float32)
+def _exact_cols(base, s_pos, pc, p_ok, cols, col_ok, Q8: tl.constexpr, D: tl.constexpr):
+    """Columns `cols` of the exact vectors [N, D] at rows `pc` (prefix or ring), as fp32; Q8: int8 ring records,
+    each code times its group's bfloat16 scale (layout: the ring; exact in fp32). For cols = arange(DP) (the
+    natural order) the scales are read once per group and broadcast; other columns read each one's scale."""
+    mask = p_ok[:, None] & col_ok[None, :]
+    x = tl.load(base + pc[:, None] * s_pos + cols[None, :], mask=mask, other=0).to(tl.float32)
+    if Q8:
+        scales = (base + pc * s_pos + D).to(tl.pointer_type(tl.int16))
+        if cols.shape[0] >= D and cols.shape[0] % 16 == 0:  # (cols is arange(DP) whenever it spans D)
+            GROUPS: tl.constexpr = cols.shape[0] // 16
+            g = tl.arange(0, GROUPS)
+            bits = tl.load(scales[:, None] + g[None, :], mask=p_ok[:, None] & (g[None, :] < D // 16), other=0)
+            sc = (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            x = tl.reshape(tl.reshape(x, (x.shape[0], GROUPS, 16)) * sc[:, :, None], (x.shape[0], cols.shape[0]))
+        else:
+            bits = tl.load(scales[:, None] + (cols // 16)[None, :], mask=mask, other=0)
+            x = x * (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    return x
 
 
 @triton.jit
-def _record_scales(base, s_pos, pc, p_ok, D: tl.constexpr):
-    """The fp32 scales of int8 ring records at rows `pc` (layout: after each record's D codes)."""
-    return tl.load((base + pc * s_pos + D).to(tl.pointer_type(tl.float32)), mask=p_ok, other=0.0)
+def _record_scores(q_row, row_ok, q_sel, k_base, s_k, rows, ok, EXACT_16: tl.constexpr, D: tl.constexpr):
+    """q . (int8 ring key records at rows `rows`) [M, N], without their offset: per group of 16 coordinates one dot of
+    the query's and the codes' 16 columns (both exact in the query's 16-bit dtype under EXACT_16: exact products,
+    fp32 sums), times the group's scale; q_sel: the query rows that attend these keys (others count 0)."""
+    gc = tl.arange(0, 16)
+    scales = (k_base + rows * s_k + D).to(tl.pointer_type(tl.int16))
+    s = tl.zeros((q_row.shape[0], rows.shape[0]), tl.float32)
+    for g in tl.static_range(D // 16):
+        qg = tl.load(q_row[:, None] + g * 16 + gc[None, :], mask=q_sel[:, None] & row_ok[:, None], other=0.0)
+        cg = tl.load(k_base + rows[:, None] * s_k + g * 16 + gc[None, :], mask=ok[:, None], other=0)
+        bits = tl.load(scales + g, mask=ok, other=0)
+        sc = (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        if EXACT_16:
+            d = tl.dot(qg, tl.trans(cg.to(qg.dtype)))
+        else:
+            d = tl.dot(qg.to(tl.float32), tl.trans(cg.to(tl.float32)), input_precision="tf32x3")
+        s += d * sc[None, :]
+    return s
 
 
 @triton.jit
 def _exact_values(p, acc, v_base, s_vh, s_v, rows, ok, cols, col_ok, sub, HEADS_PER_PROGRAM: tl.constexpr,
                   PREC: tl.constexpr, Q8: tl.constexpr, D: tl.constexpr):
     """acc + p . (columns `cols` of the exact values), each of the HEADS_PER_PROGRAM heads' values (s_vh apart) with
-    only its own rows of p; PREC: the dots' input_precision. Q8: int8 records, p scaled by each record's scale."""
+    only its own rows of p; PREC: the dots' input_precision. Q8: int8 records (_exact_cols)."""
     for j in tl.static_range(HEADS_PER_PROGRAM):
         if HEADS_PER_PROGRAM == 1:
             p_j = p
         else:
             p_j = tl.where(sub[:, None] == j, p, 0.0)
-        if Q8:
-            p_j = p_j * _record_scales(v_base + j * s_vh, s_v, rows, ok, D)[None, :]
-        acc = tl.dot(p_j, _exact_value_cols(v_base + j * s_vh, s_v, rows, ok, cols, col_ok), acc, input_precision=PREC)
+        acc = tl.dot(p_j, _exact_cols(v_base + j * s_vh, s_v, rows, ok, cols, col_ok, Q8, D), acc, input_precision=PREC)
     return acc
 
 
 @triton.jit
 def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_kh, s_k, v_base, s_vh, s_v, rows, pos,
-                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, HEADS_PER_PROGRAM: tl.constexpr,
-                EXACT_16: tl.constexpr, Q8: tl.constexpr, D: tl.constexpr,
+                ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, row_ok, q_mu, HEADS_PER_PROGRAM: tl.constexpr,
+                EXACT_16: tl.constexpr, Q8: tl.constexpr, ADD_MU: tl.constexpr, D: tl.constexpr,
                 VALUE_BITS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr,
                 PLANE_WORDS: tl.constexpr, VALUE_ROT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """One online-softmax step over a dense tile of exact original keys/values (prefix or ring):
@@ -70,8 +97,10 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
     EXACT_16: the query and buffers share a 16-bit dtype: the scores by that dtype's MMA (exact products,
     fp32 sums) and the values' dots in one tf32 pass (p rounded to 11 bits; the values are exact in tf32),
     instead of three tf32 passes each (offline sm_90a: fewer instructions and spills per ring tile).
-    Q8: the buffers hold int8 ring records (layout.ring_spec): the codes enter the dots exactly (in the query's
-    dtype, q_row's), the scores are scaled by each key's scale and p by each value's."""
+    Q8: the buffers hold int8 ring records (layout.ring_spec): the keys' codes enter one dot per group of 16
+    coordinates exactly (_record_scores; a dot of the dequantized keys rounded to fp16 missed the reference by
+    ~2**-12 of the logits), the values dequantized (exact in fp32) enter as exact values do; ADD_MU: the key records
+    hold k - mu (key_centering), and the scores get q . mu (q_mu, per row, already times sm_scale) back."""
     PREC: tl.constexpr = "tf32" if EXACT_16 else "tf32x3"
     s = None
     for j in tl.static_range(HEADS_PER_PROGRAM):
@@ -79,22 +108,24 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
             q_j = q
         else:
             q_j = tl.where(sub[:, None] == j, q, 0.0)
-        k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D), other=0)
         if Q8:
-            if EXACT_16:  # int8 codes and q_j's values are exact in the query's 16-bit dtype
-                s_j = tl.dot(q_j.to(q_row.dtype.element_ty), tl.trans(k.to(q_row.dtype.element_ty)))
-            else:
-                s_j = tl.dot(q_j, tl.trans(k.to(tl.float32)), input_precision="tf32x3")
-            s_j = s_j * _record_scales(k_base + j * s_kh, s_k, rows, ok, D)[None, :]
+            q_sel = row_ok if HEADS_PER_PROGRAM == 1 else row_ok & (sub == j)
+            s_j = _record_scores(q_row, row_ok, q_sel, k_base + j * s_kh, s_k, rows, ok, EXACT_16, D)
             if j == 0:
                 s = s_j
             else:
                 s = s + s_j
-        elif EXACT_16:  # q_j holds values of k's dtype (the query's own): exact there
-            s = tl.dot(q_j.to(k.dtype), tl.trans(k), s)
         else:
-            s = tl.dot(q_j, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
-    s = log2_logits(s * sm_scale, softcap, HAS_SOFTCAP)
+            k = tl.load(k_base + j * s_kh + rows[:, None] * s_k + dc[None, :], mask=ok[:, None] & (dc[None, :] < D),
+                        other=0)
+            if EXACT_16:  # q_j holds values of k's dtype (the query's own): exact there
+                s = tl.dot(q_j.to(k.dtype), tl.trans(k), s)
+            else:
+                s = tl.dot(q_j, tl.trans(k.to(tl.float32)), s, input_precision="tf32x3")
+    s = s * sm_scale
+    if ADD_MU:
+        s = s + q_mu[:, None]
+    s = log2_logits(s, softcap, HAS_SOFTCAP)
     vis = ok[None, :] & (pos[None, :] <= qpos[:, None])
     if HAS_WINDOW:
         vis = vis & (pos[None, :] > qpos[:, None] - window)

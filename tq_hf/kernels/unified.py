@@ -115,6 +115,7 @@ def _attn_kernel(
     RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
     ROTATION_STEP: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
     EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
+    RING_SPREAD: tl.constexpr,  # SPLIT: ring tile t goes to split program t % ns_all (else one program walks them all)
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
@@ -357,20 +358,24 @@ def _attn_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                 q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, pk_row, s_pkh, s_pkp, pv_row, s_pvh, s_pvp,
                 pc, kv_first + pc, (pc < prefix_len) & (kv_first + pc < pool_hi), qpos, window, sm_scale, softcap,
-                dc, vcol, sub, q_row, HEADS_PER_PROGRAM, EXACT_16, False, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                dc, vcol, sub, q_row, row_ok, q_mu, HEADS_PER_PROGRAM, EXACT_16, False, False, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
-        if split == exact_split_last:
+        if RING_SPREAD or split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
+            ring_step = RING_TILE
+            if RING_SPREAD:
+                ring_first += split * RING_TILE
+                ring_step = RING_TILE * ns_all
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_rkh
             v_ring = rv_ptr + b.to(tl.int64) * s_rvb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_rvh
-            for j0 in range(ring_first, kv_hi, RING_TILE):  # at most W positions
+            for j0 in range(ring_first, kv_hi, ring_step):  # at most W positions
                 rpos = j0 + tl.arange(0, RING_TILE)
                 r_ok = rpos < kv_hi
                 m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc = exact_tile(
                     q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_ring, s_rkh, s_rkp, v_ring, s_rvh, s_rvp,
-                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, HEADS_PER_PROGRAM,
-                    EXACT_16, RING_Q8, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
+                    rpos % recent_size, rpos, r_ok, qpos, window, sm_scale, softcap, dc, vcol, sub, q_row, row_ok, q_mu,
+                    HEADS_PER_PROGRAM, EXACT_16, RING_Q8, RING_Q8 and HAS_KEY_OFFSET, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
 
     # ---- epilogue -----------------------------------------------------------------------------
     has = l_i > 0

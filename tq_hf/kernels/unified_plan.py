@@ -194,7 +194,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
     # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
-    # (an int8 ring's codes are exact in either 16-bit dtype)
+    # (an int8 ring's records dequantized are rounded to it: ~3% more error variance than the int8 steps' in bf16)
     ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and ptx)) and all(
         x.dtype in (query.dtype, torch.int8) for x in exact_buffers if x is not None)
@@ -203,6 +203,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
         ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
+    # int8 records' ring tiles (a dot per 16 coordinates) made the one program that walked them the slowest of a
+    # split decode: shared out over the split programs
+    ring_spread = bool(_pick(launch.ring_spread, ring_q8 and decode)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
@@ -223,7 +226,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog,
+        EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog, RING_SPREAD=ring_spread,
         EXACT_16=exact16, RING_Q8=ring_q8,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
