@@ -1097,8 +1097,9 @@ class TurboQuantCache(Cache):
         checked = [f"{len(self.dense_by_check)} kept dense"] if self.dense_by_check else []
         checked += [f"{len(fp8)} with FP8 keys"] if fp8 else []
         checked = f" ({' and '.join(checked)} by the first prefill's check)" if checked else ""
+        ring = f"{cfg.recent_window} ring tokens{' as int8 records' if cfg.ring_records else ''}"
         parts = [f"compressed pool {pool / 2**20:.2f} MiB + exact prefix/ring {side / 2**20:.2f} MiB "
-                 f"(a constant {cfg.exact_prefix_tokens + cfg.recent_window} tokens per row and layer)"] if layers else []
+                 f"(a constant {cfg.exact_prefix_tokens} prefix + {ring} per row and layer)"] if layers else []
         if starting:
             exact = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in starting if layer.keys is not None)
             begins = sorted({layer.compress_from for layer in starting if layer.compress_from is not None})
