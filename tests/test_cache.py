@@ -353,14 +353,13 @@ def test_4bit_footprint_is_under_030_of_fp16(decode, prompt, levers):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,limit", [(1000, 0.35), (1024, 0.35), (4096, 0.30), (4097, 0.30)])
-def test_4bit_footprint_with_an_int8_ring(dtype, tokens, limit):
-    """4bit with every lever on (centering, value rotation, 4 exact prefix tokens) and the 128-token ring in int8
-    records, head_dim 128: everything the cache allocates <= 0.35x an fp16 DynamicCache of the same tokens at 1k
-    tokens and <= 0.30x from 4k, for an fp16 and a float32 model."""
+def test_4bit_footprint_at_its_defaults(dtype, tokens, limit):
+    """The 4bit preset as it comes (centering, value rotation, 4 exact prefix tokens, the 128-token ring in int8
+    records, exact tokens in 16 bits), head_dim 128: everything the cache allocates <= 0.35x an fp16 DynamicCache
+    of the same tokens at 1k tokens and <= 0.30x from 4k, for an fp16 and a float32 model."""
     layers, rows, kv_heads = 2, 2, 2
     cfg = llama_config(layers, kv_heads=kv_heads, head_dim=128)
-    cache = TurboQuantCache(cfg, tq_config=TurboQuantConfig.from_preset("4bit", full_precision_layers=(),
-                                                                       recent_format="int8"))
+    cache = TurboQuantCache(cfg, preset="4bit")
     for n in (tokens - 3, 1, 1, 1):
         for i in range(layers):
             shape = (rows, kv_heads, n, 128)

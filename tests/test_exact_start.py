@@ -55,7 +55,7 @@ def test_break_even_by_hand(recent_format, side):
 @pytest.mark.parametrize("dtype,exact_dtype,element_bytes,recent_format",
                          [(torch.float32, "16bit", 2, "exact"), (torch.bfloat16, "model", 2, "exact"),
                           (torch.float32, "model", 4, "exact"), (torch.float32, "16bit", 2, "int8"),
-                          (torch.bfloat16, "model", 2, "int8")])
+                          (torch.bfloat16, "model", 2, "int8"), (torch.float32, "16bit", 2, "auto")])
 def test_memory_never_above_the_dense_cache(dtype, exact_dtype, element_bytes, recent_format):
     """Token by token from 1 to 3x the exact start: the cache never allocates more K/V bytes than a DynamicCache at
     the exact tokens' element size (the model's; 2 bytes, an fp16 cache, for a float32 model with
