@@ -22,7 +22,14 @@ from .code_decoders import (
     value_word_nibbles,
 )
 from .metadata import heads_meta, load_meta, load_meta_pairs
+from .rounding import bf16_bits_to_f32
 from .softmax import add_pairs, log2_logits, rescaled_dot, softmax_p, softmax_step
+
+@triton.jit
+def _scales(bits):
+    """int8 ring records' bfloat16 scales, loaded as int16 bits, as fp32."""
+    return bf16_bits_to_f32(bits.to(tl.uint16, bitcast=True).to(tl.uint32))
+
 
 @triton.jit
 def _exact_cols(base, s_pos, pc, p_ok, cols, col_ok, Q8: tl.constexpr, D: tl.constexpr):
@@ -37,11 +44,11 @@ def _exact_cols(base, s_pos, pc, p_ok, cols, col_ok, Q8: tl.constexpr, D: tl.con
             GROUPS: tl.constexpr = cols.shape[0] // 16
             g = tl.arange(0, GROUPS)
             bits = tl.load(scales[:, None] + g[None, :], mask=p_ok[:, None] & (g[None, :] < D // 16), other=0)
-            sc = (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            sc = _scales(bits)
             x = tl.reshape(tl.reshape(x, (x.shape[0], GROUPS, 16)) * sc[:, :, None], (x.shape[0], cols.shape[0]))
         else:
             bits = tl.load(scales[:, None] + (cols // 16)[None, :], mask=mask, other=0)
-            x = x * (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+            x = x * _scales(bits)
     return x
 
 
@@ -57,7 +64,7 @@ def _record_scores(q_row, row_ok, q_sel, k_base, s_k, rows, ok, EXACT_16: tl.con
         qg = tl.load(q_row[:, None] + g * 16 + gc[None, :], mask=q_sel[:, None] & row_ok[:, None], other=0.0)
         cg = tl.load(k_base + rows[:, None] * s_k + g * 16 + gc[None, :], mask=ok[:, None], other=0)
         bits = tl.load(scales + g, mask=ok, other=0)
-        sc = (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        sc = _scales(bits)
         if EXACT_16:
             d = tl.dot(qg, tl.trans(cg.to(qg.dtype)))
         else:
