@@ -26,10 +26,10 @@ def test_preset_names(preset):
 
 def test_exact_buffers_shapes():
     layout = BlockLayout(make_config("4bit+defaults"), 3, 64)
-    extra = exact_buffers(layout, 2, 4, 128, device="cpu")
+    extra = exact_buffers(layout, 2, 4, 128, device="cpu", ring_records=False)
     assert extra["prefix_keys"].shape == extra["prefix_values"].shape == (2, 3, 4, 64)
     assert extra["recent_keys"].shape == extra["recent_values"].shape == (2, 3, 128, 64)
-    records = exact_buffers(layout, 2, 4, 128, device="cpu", ring_records=True)
+    records = exact_buffers(layout, 2, 4, 128, device="cpu")  # 4bit's default ring: int8 records
     assert records["recent_keys"].shape == (2, 3, 128, 64 + 16) and records["recent_keys"].dtype == torch.int8
     assert extra["recent_from"] == 0 and extra["prefix_keys"].dtype == torch.float16
     assert not torch.equal(extra["prefix_keys"], extra["prefix_values"])
@@ -81,19 +81,21 @@ def test_decode_read_bytes_plain_format(preset, d):
 @pytest.mark.parametrize("preset, d", list(BY_HAND))
 def test_decode_read_bytes_with_prefix_and_ring(preset, d):
     """+defaults with recent_format "int8": 4 exact leading tokens read as fp16 K and V and a 128-token ring of int8
-    records (D codes and a 16-byte tail with the scale, for K and for V), instead of the pool."""
+    records (D codes and a tail of a 16-bit scale per 16 of them, 16 bytes at D=128 and 32 at 256, for K and for V),
+    instead of the pool."""
     layout = BlockLayout(dataclasses.replace(make_config(preset + "+defaults"), recent_format="int8"), 4, d)
     cfg = layout.config
     assert (cfg.exact_prefix_tokens, cfg.recent_window) == (4, 128)
-    exact_ring = BlockLayout(make_config(preset + "+defaults"), 4, d)  # the default: fp16 K and V
+    exact_ring = BlockLayout(dataclasses.replace(make_config(preset + "+defaults"), recent_format="exact"), 4, d)
     assert decode_read_bytes(exact_ring, 1, 130, 4, 128) == 4 * 130 * 2 * d * 2
-    exact, ring = 2 * d * 2, 2 * (d + 16)  # fp16 K + V of one (token, head); its two ring records
+    tail = 16 if d <= 128 else 32
+    exact, ring = 2 * d * 2, 2 * (d + tail)  # fp16 K + V of one (token, head); its two ring records
     assert decode_read_bytes(layout, 3, 1024, 4, 128) == 3 * 4 * ((1024 - 4 - 128) * BY_HAND[preset, d] + 4 * exact
                                                                    + 128 * ring)
     assert decode_read_bytes(layout, 1, 100, 4, 128) == 4 * 100 * ring  # the ring covers every position
     assert decode_read_bytes(layout, 1, 130, 4, 128) == 4 * (2 * exact + 128 * ring)  # ring 2..129, prefix 0..1
     kw = exact_buffers(layout, 2, 4, 16, device="cpu")
-    assert kw["recent_keys"].dtype == torch.int8 and kw["recent_keys"].shape == (2, 4, 16, d + 16)
+    assert kw["recent_keys"].dtype == torch.int8 and kw["recent_keys"].shape == (2, 4, 16, d + tail)
     assert exact_buffers(layout, 2, 4, 16, device="cpu", ring_records=False)["recent_keys"].dtype == torch.float16
 
 
