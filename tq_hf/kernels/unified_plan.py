@@ -194,7 +194,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
     # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
-    # (an int8 ring's records dequantized are rounded to it: ~3% more error variance than the int8 steps' in bf16)
+    # (int8 ring records: key codes enter per-group dots exactly in either 16-bit dtype; tiles._record_scores)
     ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and ptx)) and all(
         x.dtype in (query.dtype, torch.int8) for x in exact_buffers if x is not None)
