@@ -342,15 +342,10 @@ class TurboQuantLayer(CacheLayerMixin):
         slots = self._row_slots[:, None] + ((pos // t) * (self.rows * t) + pos % t)[None, :]
         slots = torch.where(kept[None, :], slots, -1).flatten()
         window = self.forward_window(key_states, value_states, pos[0]) if new > 1 and not dense else None
+        # the ring (the last min(new, W) tokens at slot position % W, kept slots only) in the same launch
+        recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, _tokens_first(key_states), _tokens_first(value_states), slots,
-                  key_offset=self.key_offset)
-        if self.recent_keys is not None:  # the last min(new, W) tokens into ring slot position % W, kept slots only
-            w = self.recent_keys.shape[2]
-            ring, keep = pos[-w:] % w, kept[-w:, None]
-            offset = reference.ring_offset(self.key_offset)
-            for buf, x, off in ((self.recent_keys, key_states, offset), (self.recent_values, value_states, None)):
-                old = buf.index_select(2, ring)
-                buf.index_copy_(2, ring, torch.where(keep, reference.to_ring(x[:, :, -w:], buf.dtype, off), old))
+                  key_offset=self.key_offset, recent=recent, positions=pos)
         if self._prefix_open:
             self._copy_prefix(key_states, value_states, pos[0])
         self.seq_lens.add_(kept.sum().to(self.seq_lens.dtype))

@@ -83,7 +83,7 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
         if kwargs.get("slot_shift"):  # (compiled steps compute their slots whole; the op takes no shift)
             slots = torch.where(slots >= 0, slots + kwargs["slot_shift"], slots)
         torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
-                              kwargs.get("start", 0), kwargs.get("seq_lens"))
+                              kwargs.get("start", 0), kwargs.get("seq_lens"), kwargs.get("positions"))
     elif use_kernels(pool):
         kernels = _kernels()
         if held is not None:
@@ -136,14 +136,14 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
 @torch.library.custom_op("tq_hf::store", mutates_args=("pool", "recent_keys", "recent_values", "seq_lens"))
 def _store_op(pool: torch.Tensor, layout: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
               key_offset: torch.Tensor | None, recent_keys: torch.Tensor | None, recent_values: torch.Tensor | None,
-              start: int, seq_lens: torch.Tensor | None) -> None:
+              start: int, seq_lens: torch.Tensor | None, positions: torch.Tensor | None = None) -> None:
     recent = None if recent_keys is None else (recent_keys, recent_values)
     store(pool, _LAYOUTS[layout], key, value, slots, key_offset=key_offset, recent=recent, start=start,
-           seq_lens=seq_lens)
+           seq_lens=seq_lens, positions=positions)
 
 
 @_store_op.register_fake
-def _(pool, layout, key, value, slots, key_offset, recent_keys, recent_values, start, seq_lens) -> None:
+def _(pool, layout, key, value, slots, key_offset, recent_keys, recent_values, start, seq_lens, positions=None) -> None:
     return None
 
 

@@ -293,6 +293,7 @@ def store(
     start: int = 0,
     seq_lens: torch.Tensor | None = None,
     slot_shift: int = 0,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Quantize `key`/`value` [N, H, D] and write token n into slot slots[n] (+ slot_shift) of the pool; a decode
     step's [R, H, 1, D] (one token per row) are read as [R, H, D] (token_rows).
@@ -305,10 +306,17 @@ def store(
     `recent`: the ring (recent_keys, recent_values) [R, H, W, D] of recent_window, or [R, H, W, D + 16] int8 records
     (layout.ring_spec): each row's last min(L, W) tokens (of its L = N / R, at positions start .. start + L - 1) are
     written there, position p at slot p % W (write_recent). `seq_lens` [R]: set to start + L (the rows' new lengths).
+    `positions`: a tensor whose first element is the first new position, instead of `start` (a compiled step's);
+    skipped tokens then stay out of the ring too. Not with seq_lens.
     """
     key, value = token_rows(key), token_rows(value)
+    if positions is not None and seq_lens is not None:
+        raise ValueError("positions comes without seq_lens (a compiled step sets the lengths itself)")
     if recent is not None:
-        write_recent(recent, key, value, start, key_offset)
+        keep = None
+        if positions is not None:
+            start, keep = int(positions.reshape(-1)[0]), slots >= 0
+        write_recent(recent, key, value, start, key_offset, keep)
     if seq_lens is not None:
         seq_lens.fill_(start + key.shape[0] // max(seq_lens.shape[0], 1))
     cfg = layout.config
@@ -335,10 +343,11 @@ def token_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, value: torch.Tensor,
-                 start: int, key_offset: torch.Tensor | None = None) -> None:
+                 start: int, key_offset: torch.Tensor | None = None, keep: torch.Tensor | None = None) -> None:
     """The last min(L, W) of each row's L new tokens (key/value [R * L, H, D], row-major; row r's token t at position
     start + t) into the ring (keys, values) at slot position % W: int8 records (encode_ring; key records centered
-    by key_offset, [H, D] or [R, H, D]) or the ring's dtype."""
+    by key_offset, [H, D] or [R, H, D]) or the ring's dtype; keep [R * L] bool: only these tokens (the others leave
+    their slots as they are)."""
     ring_k, ring_v = recent
     rows, w = ring_k.shape[0], ring_k.shape[2]
     if rows == 0 or key.shape[0] % rows:
@@ -348,7 +357,10 @@ def write_recent(recent: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor, v
     idx = (start + torch.arange(length - m, length, device=ring_k.device)) % w
     for ring, x, offset in ((ring_k, key, ring_offset(key_offset)), (ring_v, value, None)):
         src = x.reshape(rows, length, *x.shape[1:])[:, length - m :]  # [R, m, H, D]
-        ring[:, :, idx] = to_ring(src.transpose(1, 2), ring.dtype, offset)
+        new = to_ring(src.transpose(1, 2), ring.dtype, offset)
+        if keep is not None:
+            new = torch.where(keep.reshape(rows, 1, length, 1)[:, :, length - m :], new, ring[:, :, idx])
+        ring[:, :, idx] = new
 
 
 def ring_offset(key_offset: torch.Tensor | None) -> torch.Tensor | None:

@@ -146,6 +146,44 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
     assert got_len.tolist() == want_len.tolist() == [start + length] * rows
 
 
+# a compiled step's store: the ring's positions from a device tensor, its skipped tokens (past a fixed capacity) out
+# of the ring; the same bytes as a store from the host position where the tokens are kept, the poison where not
+@pytest.mark.parametrize("rows,length,w,start,ring_dtype", [
+    (2, 1, 16, 37, torch.int8), (1, 1, 8, 5, torch.float16), (2, 5, 4, 9, torch.int8), (1, 9, 16, 3, torch.float16),
+])
+def test_store_ring_positions_from_the_device(rows, length, w, start, ring_dtype):
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    n = rows * length
+    key = (torch.randn(n, 2, 64, device=DEVICE) * 3).half()
+    value = torch.randn(n, 2, 64, device=DEVICE).half()
+    mu = torch.randn(rows, 2, 64, device=DEVICE)
+    slots = torch.randperm(n + 20, device=DEVICE)[:n]
+    skipped = torch.zeros(rows, length, dtype=torch.bool, device=DEVICE)
+    skipped[:, length - 1 :] = length > 1  # a row's last token past the capacity (none for a one-token step)
+    skipped_slots = torch.where(skipped.flatten(), -1, slots)
+    positions = start + torch.arange(length, device=DEVICE)
+    poison, width = (90, 64 + 16) if ring_dtype == torch.int8 else (1234.0, 64)
+    ring = torch.full((rows, 2, w, width), poison, dtype=ring_dtype, device=DEVICE)
+    got_ring, want_ring, host_ring = [(ring.clone(), ring.clone()) for _ in range(3)]
+    got, want, host = [layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5) for _ in range(3)]
+    store_kv(got, layout, key, value, skipped_slots, key_offset=mu, recent=got_ring, positions=positions)
+    reference.store(want, layout, key, value, skipped_slots, key_offset=mu, recent=want_ring, positions=positions)
+    reference.store(host, layout, key, value, slots, key_offset=mu, recent=host_ring, start=start)
+    compare_pools(got, want, layout, key.float() - mu.repeat_interleave(length, 0), skipped_slots, value=value)
+    ring_slots = (start + torch.arange(length, device=DEVICE)) % w
+    for g, e, h in zip(got_ring, want_ring, host_ring):
+        assert torch.equal(g, e)
+        for t in range(max(length - w, 0), length):
+            expected = ring[:, :, ring_slots[t]] if length > 1 and t == length - 1 else h[:, :, ring_slots[t]]
+            assert torch.equal(g[:, :, ring_slots[t]], expected), t
+    with pytest.raises(ValueError, match="positions comes without seq_lens"):
+        reference.store(want, layout, key, value, slots, recent=want_ring, positions=positions,
+                        seq_lens=torch.zeros(rows, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="comes without seq_lens"):
+        store_kv(got, layout, key, value, slots, recent=got_ring, positions=positions,
+                 seq_lens=torch.zeros(rows, dtype=torch.int32, device=DEVICE))
+
+
 def test_store_ring_and_lengths_rejected_when_they_do_not_fit():
     layout = make_layout("4bit", 2, 64)
     pool = layout.allocate(4, DEVICE)

@@ -196,6 +196,7 @@ def _store_kernel(
     rk_ptr, rv_ptr, s_rb, s_rh, s_rw, ring_w,  # [R, H, W, D] recent ring (keys, values) or int8 records, if HAS_RING
     ring_start,  # the position of each row's first new token (token n: row n // tokens_per_row)
     seq_ptr, new_len,  # [R] int32 row lengths, set to new_len, if HAS_SEQ
+    pos_ptr,  # int32/int64 device positions: [0] is each row's first new position (instead of ring_start), if POS_ON_DEVICE
     D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, GP: tl.constexpr,
     KEY_PLANES: tl.constexpr,  # 3-bit keys as code planes (layout.key_planes)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes)
@@ -207,6 +208,7 @@ def _store_kernel(
     HAS_RING: tl.constexpr, HAS_SEQ: tl.constexpr,
     RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
     RING_TAIL_HALVES: tl.constexpr,  # 16-bit words after an int8 record's codes (layout.ring_tail_bytes / 2)
+    POS_ON_DEVICE: tl.constexpr,  # the ring's positions from pos_ptr; skipped tokens (slot < 0) stay out of the ring
 ):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -227,9 +229,14 @@ def _store_kernel(
     # the exact ring (recent_window): each row's last min(L, W) new tokens as they are, position p at slot p % W
     t_row = n % tokens_per_row
     in_ring = (n < N) & (t_row >= tokens_per_row - ring_w)
+    if POS_ON_DEVICE:  # a compiled step's positions (its slots past a fixed capacity are skipped, and so is the ring)
+        first = tl.load(pos_ptr).to(tl.int32)
+        in_ring = in_ring & ok
+    else:
+        first = ring_start
     rmask = in_ring[:, None] & (cols[None, :] < D)
     ring_row = ((n // tokens_per_row).to(tl.int64) * s_rb + h * s_rh
-                + ((ring_start + t_row) % tl.maximum(ring_w, 1)).to(tl.int64) * s_rw)
+                + ((first + t_row) % tl.maximum(ring_w, 1)).to(tl.int64) * s_rw)
 
     if part == 0:
         # ---------------- keys ----------------
@@ -337,7 +344,7 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
              key_offset: torch.Tensor | None = None, launch: StoreLaunchConfig | None = None,
              recent: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
              seq_lens: torch.Tensor | None = None, device_traits: DeviceTraits | None = None,
-             held: "HeldStore | None" = None, slot_shift: int = 0) -> None:
+             held: "HeldStore | None" = None, slot_shift: int = 0, positions: torch.Tensor | None = None) -> None:
     """Quantize key/value [N, H, D] and write token n into slot slots[n] (negative = skip). A decode step's
     [R, H, 1, D] (one token per row) is read as [R, H, D], without a view per call once held.
 
@@ -346,6 +353,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     row [R, H, D] for R rows of N / R tokens each; value_rotation comes from the layout's config;
     recent: the exact ring [R, H, W, D] that gets each row's last new tokens, their positions counted from
     `start`; seq_lens [R] int32: set to start + N / R); one kernel launch, no host synchronisation.
+    positions: a device tensor whose first element is the rows' first new position, instead of `start` (a compiled
+    step's, which must not read it on the host); skipped tokens then stay out of the ring too. Not with seq_lens.
     launch: overrides of the launch heuristics, for benchmarks (launch_config.StoreLaunchConfig).
     device_traits: the device as the launch heuristics see it (default: the pool's device, device.device_traits).
     held: the caller's HeldStore: reused when this call matches the one it holds, else refilled with this call.
@@ -354,8 +363,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     signature = None
     if held is not None:
         traits = device_traits if device_traits is not None else _traits_of(pool.device)
-        signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens), launch,
-                     traits)
+        signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens),
+                     id(positions), launch, traits)
         if held.serves(signature, key, value):
             held.launch(key, value, start, slot_shift)
             return
@@ -365,12 +374,12 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
         raise TypeError(f"launch must be a tq_hf.kernels.launch_config.StoreLaunchConfig or None, got "
                         f"{type(launch).__name__}")
     traits = device_traits if device_traits is not None else _traits_of(pool.device)
-    plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset, ring_k, ring_v, seq_lens)),
-                launch, traits, _store_kernel)
+    plan_key = (id(layout), *map(argument_key, (pool, key, value, slots, key_offset, ring_k, ring_v, seq_lens,
+                                                 positions)), launch, traits, _store_kernel)
     plan = _PLANS.get(plan_key)
     if plan is None or plan.layout is not layout:
         plan = _PLANS.put(plan_key, _make_plan(pool, layout, key, value, slots, key_offset, launch, ring_k, ring_v,
-                                               seq_lens, traits))
+                                               seq_lens, traits, positions))
     _check_positions(start, slot_shift)
     if plan.site is None:  # no tokens
         return
@@ -378,9 +387,10 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     lasting = (pool, plan.rot, plan.cent, plan.bnd, koff, *plan.scalars)
     with device_of(pool):
         plan.site(*_store_arguments(key, value, slots, slot_shift, lasting, ring_k, ring_v, plan.ring_scalars, start,
-                                    seq_lens if seq_lens is not None else slots, plan.tokens_per_row))
+                                    seq_lens if seq_lens is not None else slots, plan.tokens_per_row, positions))
     if signature is not None and holdable_offset(key_offset):
-        held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens))
+        held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens,
+                                                     positions))
 
 
 def _check_positions(start, slot_shift) -> None:
@@ -391,12 +401,12 @@ def _check_positions(start, slot_shift) -> None:
 
 
 def _store_arguments(key, value, slots, slot_shift: int, lasting: tuple, ring_k, ring_v, ring_scalars: tuple,
-                     start: int, seq_lens, tokens_per_row: int) -> tuple:
+                     start: int, seq_lens, tokens_per_row: int, positions=None) -> tuple:
     """The store kernel's runtime arguments: the tokens (absent ring buffers: the tokens as placeholders), the
     slots, the arguments that last across calls, the positions."""
     return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slots, slot_shift, *lasting,
             ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *ring_scalars,
-            start, seq_lens, start + tokens_per_row)
+            start, seq_lens, start + tokens_per_row, positions if positions is not None else slots)
 
 
 class HeldStore:
@@ -425,11 +435,11 @@ class HeldStore:
         """The held call with new tokens at `start`, their slots shifted by `slot_shift`."""
         _check_positions(start, slot_shift)
         plan = self._plan
-        pool, _, slots, _, ring_k, ring_v, seq_lens = self._tensors
+        pool, _, slots, _, ring_k, ring_v, seq_lens, positions = self._tensors
         with device_of(pool):
             plan.site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v,
                                         plan.ring_scalars, start, seq_lens if seq_lens is not None else slots,
-                                        plan.tokens_per_row))
+                                        plan.tokens_per_row, positions))
 
 
 @dataclasses.dataclass(slots=True)
@@ -478,7 +488,7 @@ def _check_ring(ring_k, ring_v, seq_lens, layout, key, device) -> int | None:
 
 
 def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchConfig | None = None, ring_k=None,
-               ring_v=None, seq_lens=None, traits: DeviceTraits | None = None) -> _StorePlan:
+               ring_v=None, seq_lens=None, traits: DeviceTraits | None = None, positions=None) -> _StorePlan:
     check_layout_pool(pool, layout)
     traits = traits if traits is not None else _traits_of(pool.device)
     for name, t in (("key", key), ("value", value)):
@@ -496,6 +506,11 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
         )
     key_offset, s_koff = check_key_offset(key_offset, layout, pool.device)
     rows = _check_ring(ring_k, ring_v, seq_lens, layout, key, pool.device)
+    if positions is not None:
+        check_tensor("positions", positions, dtypes=(torch.int64, torch.int32), device=pool.device)
+        if positions.numel() < 1 or seq_lens is not None:
+            raise ValueError(f"positions must hold the first new position (got {positions.numel()} elements) and "
+                             "comes without seq_lens (a compiled step sets the lengths itself)")
     n = key.shape[0]
     tokens_per_row = max(n, 1)
     if s_koff:
@@ -531,7 +546,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
             HAS_RING=ring_k is not None, HAS_SEQ=seq_lens is not None,
             RING_Q8=ring_k is not None and ring_k.dtype == torch.int8,
-            RING_TAIL_HALVES=ring_tail_bytes(layout.head_dim) // 2,
+            RING_TAIL_HALVES=ring_tail_bytes(layout.head_dim) // 2, POS_ON_DEVICE=positions is not None,
             num_warps=num_warps,
         ))
     ring_scalars = (*ring_k.stride()[:3], ring_k.shape[2]) if ring_k is not None else (0, 0, 0, 0)

@@ -203,9 +203,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
         ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
-    # int8 records' ring tiles (a dot per 16 coordinates) made the one program that walked them the slowest of a
-    # split decode: shared out over the split programs
-    ring_spread = bool(_pick(launch.ring_spread, ring_q8 and decode)) and split and recent_size > 0
+    # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
+    # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
+    # ms, at 32k the same; not once the batch fills the GPU: B=16 S=32k 0.248 -> 0.249-0.263; an exact ring under
+    # codebook keys measured mixed, docs/performance.md)
+    spread_default = ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu)
+    ring_spread = bool(_pick(launch.ring_spread, decode and spread_default)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
