@@ -59,19 +59,29 @@ class HeldLaunches:
     attention's plans and lasting arguments (kernels' HeldStore and HeldAttention), reused while the next call names
     the same tensors and settings. The reference path ignores it; drop() lets go of the tensors held."""
 
-    __slots__ = ("store", "attention")
+    __slots__ = ("store", "attention", "kernels")
 
     def __init__(self):
         self.drop()
 
     def drop(self) -> None:
         self.store = self.attention = None
+        self.kernels = None  # use_kernels' answer for this caller, asked once (an environment read costs ~1 us)
 
     def __deepcopy__(self, memo) -> "HeldLaunches":
         return HeldLaunches()  # a copied cache has other tensors: nothing held applies to it (nor copies a kernel)
 
     def __reduce__(self):
         return HeldLaunches, ()
+
+
+def _use_kernels_held(t: torch.Tensor, held: HeldLaunches | None) -> bool:
+    """use_kernels(t), remembered by the caller's HeldLaunches (a repeated call asks it once)."""
+    if held is None:
+        return use_kernels(t)
+    if held.kernels is None:
+        held.kernels = use_kernels(t)
+    return held.kernels
 
 
 def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
@@ -84,7 +94,7 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
             slots = torch.where(slots >= 0, slots + kwargs["slot_shift"], slots)
         torch.ops.tq_hf.store(pool, layout_index(layout), key, value, slots, kwargs.get("key_offset"), *recent,
                               kwargs.get("start", 0), kwargs.get("seq_lens"), kwargs.get("positions"))
-    elif use_kernels(pool):
+    elif _use_kernels_held(pool, held):
         kernels = _kernels()
         if held is not None:
             if held.store is None:
@@ -114,7 +124,7 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
             kwargs.get("workspace"),
         ).transpose(1, 2)
     length = kwargs.pop("length", None)
-    if use_kernels(pool):
+    if _use_kernels_held(pool, held):
         kernels = _kernels()
         if length is not None and kernels.dense_history_serves(query, layout, length, **kwargs):
             try:

@@ -210,7 +210,7 @@ def test_decode_steps_reuse_plans_and_replan_after_cache_events(monkeypatch, hol
     if not drops:
         def keep(self):  # only the first call (from __init__) sets the slots
             if not hasattr(self, "store"):
-                self.store = self.attention = None
+                self.store = self.attention = self.kernels = None
         monkeypatch.setattr(ops.HeldLaunches, "drop", keep)
     twins = Twins(monkeypatch)
     twins.prefill(3, 40)  # 3 blocks of 16 per row

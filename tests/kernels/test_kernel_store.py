@@ -11,6 +11,7 @@ import triton.language as tl
 from tq_hf import reference
 from tq_hf.codebook import is_symmetric, lloyd_max
 from tq_hf.kernels import store_kv
+from tq_hf.kernels.launch_config import StoreLaunchConfig
 from tq_hf.kernels.store import _bucket_sign_magnitude
 
 from kernel_helpers import DEVICE, compare_pools, make_layout
@@ -110,7 +111,8 @@ def test_store_per_row_key_offset_matches_reference(preset):
     (2, 40, 16, 9, torch.bfloat16, torch.int8),
     (2, 23, 32, 5, torch.float32, torch.int8),
 ])
-def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype, ring_dtype):
+@pytest.mark.parametrize("ring_part", [None, True, False])  # the ring by programs of its own, or by the key/value ones
+def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype, ring_dtype, ring_part):
     layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
     n = rows * length
     key = (torch.randn(n, 2, 64, device=DEVICE) * 3).to(dtype)
@@ -127,7 +129,8 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
     want_len = got_len.clone()
     got = layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5)
     want = got.clone()
-    store_kv(got, layout, key, value, slots, key_offset=mu, recent=got_ring, start=start, seq_lens=got_len)
+    store_kv(got, layout, key, value, slots, key_offset=mu, recent=got_ring, start=start, seq_lens=got_len,
+             launch=StoreLaunchConfig(ring_part=ring_part))
     reference.store(want, layout, key, value, slots, key_offset=mu, recent=want_ring, start=start, seq_lens=want_len)
     compare_pools(got, want, layout, key.float() - mu.repeat_interleave(length, 0), slots, value=value)
     for g, e, what in ((got_ring[0], want_ring[0], "keys"), (got_ring[1], want_ring[1], "values")):
@@ -151,7 +154,8 @@ def test_store_writes_the_recent_ring_and_lengths(rows, length, w, start, dtype,
 @pytest.mark.parametrize("rows,length,w,start,ring_dtype", [
     (2, 1, 16, 37, torch.int8), (1, 1, 8, 5, torch.float16), (2, 5, 4, 9, torch.int8), (1, 9, 16, 3, torch.float16),
 ])
-def test_store_ring_positions_from_the_device(rows, length, w, start, ring_dtype):
+@pytest.mark.parametrize("ring_part", [True, False])
+def test_store_ring_positions_from_the_device(rows, length, w, start, ring_dtype, ring_part):
     layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
     n = rows * length
     key = (torch.randn(n, 2, 64, device=DEVICE) * 3).half()
@@ -166,7 +170,8 @@ def test_store_ring_positions_from_the_device(rows, length, w, start, ring_dtype
     ring = torch.full((rows, 2, w, width), poison, dtype=ring_dtype, device=DEVICE)
     got_ring, want_ring, host_ring = [(ring.clone(), ring.clone()) for _ in range(3)]
     got, want, host = [layout.allocate((n + 20) // 16 + 1, DEVICE).fill_(0xA5) for _ in range(3)]
-    store_kv(got, layout, key, value, skipped_slots, key_offset=mu, recent=got_ring, positions=positions)
+    store_kv(got, layout, key, value, skipped_slots, key_offset=mu, recent=got_ring, positions=positions,
+             launch=StoreLaunchConfig(ring_part=ring_part))
     reference.store(want, layout, key, value, skipped_slots, key_offset=mu, recent=want_ring, positions=positions)
     reference.store(host, layout, key, value, slots, key_offset=mu, recent=host_ring, start=start)
     compare_pools(got, want, layout, key.float() - mu.repeat_interleave(length, 0), skipped_slots, value=value)

@@ -36,6 +36,8 @@ def test_store_launch_config_refuses_bad_values():
         StoreLaunchConfig(block_t=24)
     with pytest.raises(TypeError, match="StoreLaunchConfig.num_warps must be an int or None"):
         StoreLaunchConfig(num_warps="8")
+    with pytest.raises(TypeError, match="StoreLaunchConfig.ring_part must be True, False or None, got 1"):
+        StoreLaunchConfig(ring_part=1)
 
 
 def test_launch_config_overrides():
