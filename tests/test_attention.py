@@ -186,8 +186,17 @@ def test_cross_attention_and_training_dropout_are_rejected_over_the_cache():
     llama._attn_implementation = "turboquant"
     cfg = TurboQuantConfig(full_precision_layers=(), prefill_attention="compressed", **PLAIN_LEVERS)
     q = torch.randn(1, 2, 3, 64)
+    class CrossAttention(torch.nn.Module):  # a class that says so (asked twice: its answer is remembered)
+        is_cross_attention = True
+        is_causal = True
+        num_key_value_groups = 1
+
     for mod, kwargs, message in (
         (SimpleNamespace(is_causal=False, training=False, num_key_value_groups=1), {}, "cross-attention"),
+        (SimpleNamespace(is_causal=True, training=False, num_key_value_groups=1, is_cross_attention=True), {},
+         "cross-attention"),
+        (CrossAttention(), {}, "cross-attention"),
+        (CrossAttention(), {}, "cross-attention"),
         (SimpleNamespace(is_causal=True, training=True, num_key_value_groups=1), {"dropout": 0.1}, "dropout"),
     ):
         key, value = TurboQuantCache(llama, tq_config=cfg).update(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64), 0)
