@@ -86,9 +86,9 @@ def test_compiled_decode_step_is_one_graph_with_the_eager_tokens(preset, dynamo)
 
 
 def test_compiled_decode_step_with_an_int8_ring(dynamo):
-    """recent_format "int8": the compiled step writes its token's records through the traced update (to_ring) and
-    reads them as the eager step does: one graph, the same tokens, the same logits (the records hold the same
-    codes: both paths round the same fp32 vectors)."""
+    """recent_format "int8": the compiled step's store writes its token's records (their slot from the device
+    positions) and the attention reads them as the eager step does: one graph, the same tokens, the same logits
+    (the records hold the same codes: both paths round the same fp32 vectors)."""
     model = tiny_model("llama")
     cfg = tq_config(recent_format="int8")
     ids = prompts()
@@ -310,6 +310,12 @@ def test_custom_ops_pass_opcheck():
     torch.library.opcheck(torch.ops.tq_hf.store, (pool, index, key, value, slots, None, ring_k, ring_v, 0, seq_lens),
                           test_utils=("test_schema", "test_faketensor"))
     torch.ops.tq_hf.store(pool, index, key, value, slots, None, ring_k, ring_v, 0, seq_lens)
+    positions = torch.tensor([5])  # a compiled step's: the ring's slot from the device, the lengths left alone
+    torch.library.opcheck(torch.ops.tq_hf.store, (pool, index, key, value, slots, None, ring_k, ring_v, 0, None,
+                                                  positions), test_utils=("test_schema", "test_faketensor"))
+    before = seq_lens.clone()
+    torch.ops.tq_hf.store(pool, index, key, value, slots, None, ring_k, ring_v, 0, None, positions)
+    assert torch.equal(ring_k[:, :, 5 % 4], key) and torch.equal(seq_lens, before)
     table = torch.tensor([[0, 2], [1, 3]], dtype=torch.int32)
     query = torch.randn(2, 4, 1, 32)
     args = (query, pool, index, table, seq_lens, 0.2, None, None, None, None, 2 * layout.block_size, None, None, None,
