@@ -8,6 +8,9 @@ the copy bandwidth measured in the same run. Model: a random-init Llama with Lla
 
     python -m eval.decode_loop --layers 32 --lengths 32768 131072 --caches fp16 4bit
 
+--profile-steps N profiles N more steps (torch.profiler, CUDA kernels): the kernels per step, their busy
+time per step (the step time less it is the host's and the launches' gaps) and the costliest kernels.
+
 Writes OUT/results.json and OUT/table.md. On a CPU it runs the same path on a tiny model (a check
 of the script, no figures).
 """
@@ -57,8 +60,24 @@ def cache_bytes(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.is_initialized)
 
 
-def run_point(model, name: str, length: int, steps: int, warmup: int, device: str) -> dict:
-    capacity = length + warmup + steps + 1
+def kernel_profile(events, steps: int, top: int = 12) -> dict:
+    """Device kernels of `steps` profiled steps (torch.profiler events): per step their count and busy time, and the
+    `top` costliest by total time (name, calls per step, microseconds per call)."""
+    totals: dict[str, list] = {}
+    for ev in events:
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = totals.setdefault(ev.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ev.device_time
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"kernels_per_step": sum(n for n, _ in totals.values()) / steps,
+            "busy_ms_per_step": sum(t for _, t in totals.values()) / steps / 1e3,
+            "top": [{"kernel": name[:100], "per_step": n / steps, "us_per_call": t / n} for name, (n, t) in ranked]}
+
+
+def run_point(model, name: str, length: int, steps: int, warmup: int, device: str, profile_steps: int = 0) -> dict:
+    capacity = length + warmup + steps + profile_steps + 1
     cache = make_cache(name, model.config, capacity)
     ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
     kwargs = common.with_cache(model, cache)
@@ -67,23 +86,37 @@ def run_point(model, name: str, length: int, steps: int, warmup: int, device: st
     token = out.logits[:, -1:].argmax(-1)
     step = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else "default", fullgraph=True)
     position = length
+
+    def advance() -> None:  # one decode step: the next token at the next position
+        nonlocal token, position
+        pos = torch.tensor([[position]], device=device)
+        logits = step(input_ids=token, position_ids=pos, cache_position=pos[0], use_cache=True, **kwargs).logits
+        token = logits[:, -1:].argmax(-1).clone()
+        position += 1
+
     times = []
     with torch.no_grad():
         for i in range(warmup + steps):
-            pos = torch.tensor([[position]], device=device)
             if device == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-            logits = step(input_ids=token, position_ids=pos, cache_position=pos[0], use_cache=True, **kwargs).logits
-            token = logits[:, -1:].argmax(-1).clone()
+            advance()
             if device == "cuda":
                 end.record()
                 torch.cuda.synchronize()
                 if i >= warmup:
                     times.append(start.elapsed_time(end))
-            position += 1
+        profile = None
+        if profile_steps and device == "cuda":
+            from torch.profiler import ProfilerActivity, profile as profiler
+
+            with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(profile_steps):
+                    advance()
+                torch.cuda.synchronize()
+            profile = kernel_profile(prof.events(), profile_steps)
     return {"cache": name, "context": length, "step_ms": statistics.median(times) if times else None,
-            "cache_bytes": cache_bytes(cache)}
+            "cache_bytes": cache_bytes(cache), "profile": profile}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,6 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--caches", nargs="+", default=["fp16", "4bit"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many more steps (CUDA only): kernels per step, busy time, the costliest")
     p.add_argument("--out", default="eval/results/decode_loop")
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for length in args.lengths:
         for name in args.caches:
-            row = run_point(model, name, length, args.steps, args.warmup, device)
+            row = run_point(model, name, length, args.steps, args.warmup, device, args.profile_steps)
             if bandwidth and row["step_ms"]:
                 row["floor_ms"] = 1e3 * (weights + row["cache_bytes"]) / bandwidth
                 row["vs_floor"] = row["step_ms"] / row["floor_ms"]
@@ -132,8 +167,24 @@ def main(argv: list[str] | None = None) -> None:
     head = common.md_header("Compiled decode step in a manual loop", report["meta"]["command"], f"model: {description}",
                             f"copy bandwidth: {fmt(report['copy_bandwidth_gbs'], '.0f')} GB/s (read + written)",
                             f"median of {args.steps} steps after {args.warmup} warm-up steps (CUDA events)")
-    (out / "table.md").write_text(head + "\n" + table + "\n", encoding="utf-8")
-    print(head + "\n" + table)
+    text = head + "\n" + table + "\n" + profile_tables(rows)
+    (out / "table.md").write_text(text, encoding="utf-8")
+    print(text)
+
+
+def profile_tables(rows: list[dict]) -> str:
+    """Markdown: per profiled row, kernels and busy time per step, then its costliest kernels."""
+    parts = []
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        parts.append(f"\n## S={r['context']}, {r['cache']}: {prof['kernels_per_step']:.0f} kernels and "
+                     f"{prof['busy_ms_per_step']:.3f} ms of device time per step\n\n" + common.markdown_table(
+                         ["kernel", "calls per step", "us per call", "us per step"],
+                         [[k["kernel"], f"{k['per_step']:.1f}", f"{k['us_per_call']:.2f}",
+                           f"{k['per_step'] * k['us_per_call']:.1f}"] for k in prof["top"]]) + "\n")
+    return "".join(parts)
 
 
 if __name__ == "__main__":

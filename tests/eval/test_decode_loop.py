@@ -15,3 +15,19 @@ def test_cli_end_to_end(tmp_path):
     assert [(r["cache"], r["context"]) for r in rows] == [("fp16", 40), ("4bit", 40)]
     assert rows[1]["cache_bytes"] > 0
     assert "| 40 | 4bit |" in (tmp_path / "table.md").read_text()
+
+
+def test_kernel_profile_counts_device_kernels_per_step():
+    """Only device kernels count; per step: their number, busy time, the costliest first."""
+    import torch
+    from types import SimpleNamespace
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(name="attn", device_type=cuda, device_time=30.0)] * 4 + [
+        SimpleNamespace(name="store", device_type=cuda, device_time=10.0)] * 2 + [
+        SimpleNamespace(name="aten::mm", device_type=cpu, device_time=0.0)] * 5
+    prof = decode_loop.kernel_profile(events, steps=2, top=1)
+    assert prof["kernels_per_step"] == 3 and prof["busy_ms_per_step"] == 0.07
+    assert prof["top"] == [{"kernel": "attn", "per_step": 2.0, "us_per_call": 30.0}]
+    table = decode_loop.profile_tables([{"context": 40, "cache": "4bit", "profile": prof}, {"profile": None}])
+    assert "S=40, 4bit: 3 kernels and 0.070 ms" in table and "| attn | 2.0 | 30.00 | 60.0 |" in table
