@@ -191,6 +191,14 @@ def _ring_keys(kbase, koff_ptr, s_koff, tokens_per_row, rk_ptr, ring_row, cols, 
     _write_ring(rk_ptr, ring_row, cols, kr, rmask, in_ring, D, DP, BLOCK_T, RING_Q8, TAIL_HALVES)
 
 
+@triton.jit
+def _ring_values(vbase, rv_ptr, ring_row, cols, rmask, in_ring, D: tl.constexpr, DP: tl.constexpr,
+                 BLOCK_T: tl.constexpr, RING_Q8: tl.constexpr, TAIL_HALVES: tl.constexpr):
+    """The tokens' values into their ring slots (_write_ring)."""
+    _write_ring(rv_ptr, ring_row, cols, tl.load(vbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring, D, DP,
+                BLOCK_T, RING_Q8, TAIL_HALVES)
+
+
 # slot_shift, ring_start and new_len change every decode step: not specialized (one compiled variant serves them all)
 @triton.jit(do_not_specialize=["slot_shift", "ring_start", "new_len"])
 def _store_kernel(
@@ -255,8 +263,7 @@ def _store_kernel(
         # ---------------- the ring (RING_PART) ----------------
         _ring_keys(kbase, koff_ptr, s_koff, tokens_per_row, rk_ptr, ring_row, cols, n, h, rmask, in_ring, D, DP,
                    BLOCK_T, RING_Q8, HAS_KEY_OFFSET, RING_TAIL_HALVES)
-        _write_ring(rv_ptr, ring_row, cols, tl.load(vbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
-                    D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
+        _ring_values(vbase, rv_ptr, ring_row, cols, rmask, in_ring, D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
     elif part == 0:
         # ---------------- keys ----------------
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
@@ -315,8 +322,7 @@ def _store_kernel(
         # ---------------- values ----------------
         plane, off = _token_planes(slot + slot_shift, ok, pool_ptr, block_bytes, h * plane_bytes, T)
         if HAS_RING and not RING_PART:
-            _write_ring(rv_ptr, ring_row, cols, tl.load(vbase[:, None] + cols[None, :], mask=rmask), rmask, in_ring,
-                        D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
+            _ring_values(vbase, rv_ptr, ring_row, cols, rmask, in_ring, D, DP, BLOCK_T, RING_Q8, RING_TAIL_HALVES)
         LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
         HALF: tl.constexpr = LEVELS / 2
         if VALUE_BITS == 4:
