@@ -6,6 +6,11 @@ step after step with no generate() around it; the steady-state step time (CUDA e
 is compared with the byte floor: the weights (lm_head included) plus the KV cache read once, at
 the copy bandwidth measured in the same run. Model: a random-init Llama with Llama-3.1-8B shapes.
 
+Two timings: "step" synchronizes after every step (as generate() does, which checks its stopping criteria
+on the host each token: the host's part of a step adds to the device's), "pipelined" runs the steps back
+to back with the position advanced on the device and one synchronization at the end (as gpt-fast's loop
+runs: the host prepares the next replay while the device works); "host" is the host's time per call there.
+
     python -m eval.decode_loop --layers 32 --lengths 32768 131072 --caches fp16 4bit
 
 --profile-steps N profiles N more steps (torch.profiler, CUDA kernels): the kernels per step, their busy
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -62,22 +68,30 @@ def cache_bytes(cache) -> int:
 
 def kernel_profile(events, steps: int, top: int = 12) -> dict:
     """Device kernels of `steps` profiled steps (torch.profiler events): per step their count and busy time, and the
-    `top` costliest by total time (name, calls per step, microseconds per call)."""
+    `top` costliest by total time (name, calls per step, microseconds per call); the host's `top` operators by their
+    own time ("host_top", when the events hold CPU ones)."""
     totals: dict[str, list] = {}
+    host: dict[str, list] = {}
     for ev in events:
         if ev.device_type != torch.autograd.DeviceType.CUDA:
+            entry = host.setdefault(ev.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += getattr(ev, "self_cpu_time_total", 0.0)
             continue
         entry = totals.setdefault(ev.name, [0, 0.0])
         entry[0] += 1
         entry[1] += ev.device_time
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    host_ranked = sorted(((k, v) for k, v in host.items() if v[1] > 0), key=lambda kv: -kv[1][1])[:top]
     return {"kernels_per_step": sum(n for n, _ in totals.values()) / steps,
             "busy_ms_per_step": sum(t for _, t in totals.values()) / steps / 1e3,
-            "top": [{"kernel": name[:100], "per_step": n / steps, "us_per_call": t / n} for name, (n, t) in ranked]}
+            "top": [{"kernel": name[:100], "per_step": n / steps, "us_per_call": t / n} for name, (n, t) in ranked],
+            "host_top": [{"op": name[:100], "per_step": n / steps, "us_per_step": t / steps}
+                         for name, (n, t) in host_ranked]}
 
 
 def run_point(model, name: str, length: int, steps: int, warmup: int, device: str, profile_steps: int = 0) -> dict:
-    capacity = length + warmup + steps + profile_steps + 1
+    capacity = length + warmup + 2 * steps + profile_steps + 1
     cache = make_cache(name, model.config, capacity)
     ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
     kwargs = common.with_cache(model, cache)
@@ -85,38 +99,52 @@ def run_point(model, name: str, length: int, steps: int, warmup: int, device: st
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kwargs)  # the eager prefill
     token = out.logits[:, -1:].argmax(-1)
     step = torch.compile(model.forward, mode="reduce-overhead" if device == "cuda" else "default", fullgraph=True)
-    position = length
+    pos = torch.tensor([[length]], device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-    def advance() -> None:  # one decode step: the next token at the next position
-        nonlocal token, position
-        pos = torch.tensor([[position]], device=device)
+    def advance() -> None:  # one decode step: the next token at the next position (advanced on the device)
+        nonlocal token, pos
         logits = step(input_ids=token, position_ids=pos, cache_position=pos[0], use_cache=True, **kwargs).logits
         token = logits[:, -1:].argmax(-1).clone()
-        position += 1
+        pos = pos + 1
+
+    def event():
+        return torch.cuda.Event(enable_timing=True) if device == "cuda" else None
 
     times = []
+    pipelined = host = None
     with torch.no_grad():
         for i in range(warmup + steps):
-            if device == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = event(), event()
+            if start:
                 start.record()
             advance()
-            if device == "cuda":
+            if end:
                 end.record()
-                torch.cuda.synchronize()
+                sync()
                 if i >= warmup:
                     times.append(start.elapsed_time(end))
+        if device == "cuda" and steps:
+            start, end = event(), event()
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                advance()
+            host = (time.perf_counter() - t0) * 1e3 / steps
+            end.record()
+            sync()
+            pipelined = start.elapsed_time(end) / steps
         profile = None
         if profile_steps and device == "cuda":
             from torch.profiler import ProfilerActivity, profile as profiler
 
-            with profiler(activities=[ProfilerActivity.CUDA]) as prof:
+            with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(profile_steps):
                     advance()
-                torch.cuda.synchronize()
+                sync()
             profile = kernel_profile(prof.events(), profile_steps)
     return {"cache": name, "context": length, "step_ms": statistics.median(times) if times else None,
-            "cache_bytes": cache_bytes(cache), "profile": profile}
+            "pipelined_ms": pipelined, "host_ms": host, "cache_bytes": cache_bytes(cache), "profile": profile}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
             if bandwidth and row["step_ms"]:
                 row["floor_ms"] = 1e3 * (weights + row["cache_bytes"]) / bandwidth
                 row["vs_floor"] = row["step_ms"] / row["floor_ms"]
+                if row["pipelined_ms"]:
+                    row["pipelined_vs_floor"] = row["pipelined_ms"] / row["floor_ms"]
             rows.append(row)
             print(row, flush=True)
             torch.compiler.reset()
@@ -151,8 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.empty_cache()
     for row in rows:
         ref = next((r for r in rows if r["cache"] == "fp16" and r["context"] == row["context"]), None)
-        if ref and ref["step_ms"] and row["step_ms"]:
-            row["vs_fp16_compiled"] = row["step_ms"] / ref["step_ms"]
+        for key in ("step_ms", "pipelined_ms"):
+            if ref and ref.get(key) and row.get(key):
+                row[f"{key[:-3]}_vs_fp16"] = row[key] / ref[key]
     report = {"meta": common.run_metadata("eval.decode_loop", argv), "model": description, "weights_bytes": weights,
               "copy_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None, "steps": args.steps,
               "warmup": args.warmup, "results": rows}
@@ -161,12 +192,16 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json(out / "results.json", report)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     table = common.markdown_table(
-        ["S", "cache", "step ms", "vs fp16 compiled", "byte floor ms", "vs floor", "cache GiB"],
-        [[r["context"], r["cache"], fmt(r["step_ms"], ".3f"), fmt(r.get("vs_fp16_compiled"), ".2f"),
-          fmt(r.get("floor_ms"), ".3f"), fmt(r.get("vs_floor"), ".2f"), f"{r['cache_bytes'] / GIB:.2f}"] for r in rows])
+        ["S", "cache", "step ms", "vs fp16", "pipelined ms", "vs fp16", "host ms per step", "byte floor ms",
+         "step vs floor", "pipelined vs floor", "cache GiB"],
+        [[r["context"], r["cache"], fmt(r["step_ms"], ".3f"), fmt(r.get("step_vs_fp16"), ".2f"),
+          fmt(r.get("pipelined_ms"), ".3f"), fmt(r.get("pipelined_vs_fp16"), ".2f"), fmt(r.get("host_ms"), ".3f"),
+          fmt(r.get("floor_ms"), ".3f"), fmt(r.get("vs_floor"), ".2f"), fmt(r.get("pipelined_vs_floor"), ".2f"),
+          f"{r['cache_bytes'] / GIB:.2f}"] for r in rows])
     head = common.md_header("Compiled decode step in a manual loop", report["meta"]["command"], f"model: {description}",
                             f"copy bandwidth: {fmt(report['copy_bandwidth_gbs'], '.0f')} GB/s (read + written)",
-                            f"median of {args.steps} steps after {args.warmup} warm-up steps (CUDA events)")
+                            f"step: median of {args.steps} synchronized steps after {args.warmup} warm-up steps (CUDA events); "
+                            f"pipelined: {args.steps} more back to back, one synchronization")
     text = head + "\n" + table + "\n" + profile_tables(rows)
     (out / "table.md").write_text(text, encoding="utf-8")
     print(text)
@@ -184,6 +219,10 @@ def profile_tables(rows: list[dict]) -> str:
                          ["kernel", "calls per step", "us per call", "us per step"],
                          [[k["kernel"], f"{k['per_step']:.1f}", f"{k['us_per_call']:.2f}",
                            f"{k['per_step'] * k['us_per_call']:.1f}"] for k in prof["top"]]) + "\n")
+        if prof.get("host_top"):
+            parts.append("\nHost operators by their own time:\n\n" + common.markdown_table(
+                ["operator", "calls per step", "us per step"],
+                [[k["op"], f"{k['per_step']:.1f}", f"{k['us_per_step']:.1f}"] for k in prof["host_top"]]) + "\n")
     return "".join(parts)
 
 

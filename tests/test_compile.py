@@ -100,6 +100,19 @@ def test_compiled_decode_step_with_an_int8_ring(dynamo):
     assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what="int8 ring logits")
 
 
+def test_compiled_step_as_the_first_compressed_forward_compiles_once(dynamo, monkeypatch):
+    """A process whose first forward over compressed history is the compiled one (an exact prefill, then the
+    compiled loop: what a manual loop or generate() does) must not trace a write of a host-side memo: the next step's
+    guards would see it changed and compile again (error_on_recompile raises)."""
+    import tq_hf.attention
+
+    monkeypatch.setattr(tq_hf.attention, "_CROSS_ATTENTION_CLASSES", {})
+    model = tiny_model("llama")
+    decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=64),
+                torch.compile(model.forward, fullgraph=True, backend="eager"), prompts(), steps=4)
+    assert_one_graph(dynamo)
+
+
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("sliding", ["exact", "compressed"])
 def test_compiled_decode_of_other_families(family, sliding, dynamo):

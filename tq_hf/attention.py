@@ -108,6 +108,8 @@ def _is_cross_attention(module: torch.nn.Module) -> bool:
     if flag is not None:
         return bool(flag)
     cls = type(module)
+    if torch.compiler.is_compiling():  # folds to a constant; writing the memo here would recompile the next step
+        return bool(getattr(cls, "is_cross_attention", False))
     known = _CROSS_ATTENTION_CLASSES.get(cls)
     if known is None:
         known = _CROSS_ATTENTION_CLASSES[cls] = bool(getattr(cls, "is_cross_attention", False))

@@ -25,9 +25,12 @@ def test_kernel_profile_counts_device_kernels_per_step():
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [SimpleNamespace(name="attn", device_type=cuda, device_time=30.0)] * 4 + [
         SimpleNamespace(name="store", device_type=cuda, device_time=10.0)] * 2 + [
-        SimpleNamespace(name="aten::mm", device_type=cpu, device_time=0.0)] * 5
+        SimpleNamespace(name="aten::mm", device_type=cpu, device_time=0.0, self_cpu_time_total=3.0)] * 5 + [
+        SimpleNamespace(name="aten::empty", device_type=cpu, device_time=0.0, self_cpu_time_total=0.0)]
     prof = decode_loop.kernel_profile(events, steps=2, top=1)
     assert prof["kernels_per_step"] == 3 and prof["busy_ms_per_step"] == 0.07
     assert prof["top"] == [{"kernel": "attn", "per_step": 2.0, "us_per_call": 30.0}]
+    assert prof["host_top"] == [{"op": "aten::mm", "per_step": 2.5, "us_per_step": 7.5}]  # ops of no own time left out
     table = decode_loop.profile_tables([{"context": 40, "cache": "4bit", "profile": prof}, {"profile": None}])
     assert "S=40, 4bit: 3 kernels and 0.070 ms" in table and "| attn | 2.0 | 30.00 | 60.0 |" in table
+    assert "| aten::mm | 2.5 | 7.5 |" in table
