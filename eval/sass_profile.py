@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .bench_kernels import make_config, parse_shape
+from .bench_kernels import exact_buffers, make_config, parse_shape
 from .common import write_json
 
 ISSUE_PER_BYTE = 132 * 4 * 32 * 1.98e9 / 4.2e12  # H200 thread-instructions per second over its bytes per second
@@ -123,18 +123,14 @@ def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, i
     table = torch.zeros(batch, -(-length // layout.block_size), dtype=torch.int32)
     seq = torch.full((batch,), length, dtype=torch.int32)
     query = torch.randn(batch, hq, 1, d, dtype=torch.float16)
-    extra = {}
-    if cfg.exact_prefix_tokens:
-        prefix = torch.randn(batch, hk, cfg.exact_prefix_tokens, d, dtype=torch.float16)
-        extra.update(prefix_keys=prefix, prefix_values=prefix)
-    if cfg.recent_window:
-        ring = torch.randn(batch, hk, cfg.recent_window, d, dtype=torch.float16)
-        extra.update(recent_keys=ring, recent_values=ring)
+    extra = exact_buffers(layout, batch, cfg.exact_prefix_tokens, cfg.recent_window, device="cpu")  # the ring as
+    # the cache keeps it (int8 records for the codebook presets)
     if cfg.key_centering:
         extra["key_offset"] = torch.randn(hk, d)
     overrides = VARIANTS[variant]
+    planned = {k: v for k, v in extra.items() if k != "recent_from"}  # (a launch argument, not a plan's)
     plan = plan_attention(query, pool, layout, table, seq, d ** -0.5, max_seq_len=length, device_traits=H200,
-                          launch=LaunchConfig(**overrides) if overrides else None, **extra)
+                          launch=LaunchConfig(**overrides) if overrides else None, **planned)
     args, _, _ = attention.kernel_arguments(plan, query, pool, table, seq, torch.empty_like(query), **extra)
     return plan.kernel, args, {**plan.constants, "BLOCK_N": plan.block_n, "num_stages": plan.num_stages}, layout, plan
 
@@ -154,6 +150,7 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
     threads = kwargs.get("num_warps", 4) * 32
     return {"preset": preset, "shape": "/".join(map(str, shape)), "variant": variant, "kernel": fn.__name__, "block_n": plan.block_n, "heads_per_program": heads,
             "warps": threads // 32, "registers": regs, "shared_bytes": kernel.metadata.shared,
+            "ring": ("int8 records" if kwargs.get("RING_Q8") else "exact") if kwargs.get("HAS_RECENT") else None,
             "loop_instructions": len(body), "tile_bytes": tile_bytes,
             "thread_instructions_per_byte": len(body) * threads / tile_bytes if tile_bytes else None,
             "classes": dict(classify(body).most_common())}

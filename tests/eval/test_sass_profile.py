@@ -51,9 +51,12 @@ def test_a_real_decode_launch_profiles(tmp_path):
     if not os.path.exists(_tool("nvdisasm")):
         pytest.skip("no nvdisasm in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "eval.sass_profile", "--presets", "k8v4", "--shapes", "32/8/128",
-                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "eval.sass_profile", "--presets", "k8v4", "4bit+defaults", "--shapes",
+                          "32/8/128", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    row = json.loads((tmp_path / "results.json").read_text())["rows"][0]
-    assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0
-    assert 0 < row["thread_instructions_per_byte"] < 100
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["preset"], r["ring"]) for r in rows] == [("k8v4", None), ("4bit+defaults", "int8 records")]
+    for row in rows:
+        assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0
+        assert 0 < row["thread_instructions_per_byte"] < 100
