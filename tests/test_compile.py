@@ -111,6 +111,13 @@ def test_compiled_step_as_the_first_compressed_forward_compiles_once(dynamo, mon
     decode_loop(model, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=64),
                 torch.compile(model.forward, fullgraph=True, backend="eager"), prompts(), steps=4)
     assert_one_graph(dynamo)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(tq_hf.attention, "_CROSS_ATTENTION_CLASSES", {})  # generate()'s own compile path alike
+    ids, mask, _ = left_padded_batch([7, 11], seed=3)
+    generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=40), max_new_tokens=6,
+             compile_config=compile_config())
+    assert_one_graph(dynamo)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
