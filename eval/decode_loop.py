@@ -13,8 +13,9 @@ runs: the host prepares the next replay while the device works); "host" is the h
 
     python -m eval.decode_loop --layers 32 --lengths 32768 131072 --caches fp16 4bit
 
---profile-steps N profiles N more steps (torch.profiler, CUDA kernels): the kernels per step, their busy
-time per step (the step time less it is the host's and the launches' gaps) and the costliest kernels.
+--profile-steps N profiles N more steps (torch.profiler): the kernels per step, their busy time per step (the
+step time less it is the host's and the launches' gaps), the costliest kernels, and the host's operators by
+their own time (dynamo's guard lookup, the CUDA graph's launch, ...).
 
 Writes OUT/results.json and OUT/table.md. On a CPU it runs the same path on a tiny model (a check
 of the script, no figures).
