@@ -31,8 +31,8 @@ import torch
 
 H200_SHARED_LIMIT = 232448  # bytes of shared memory one program may use on an H200 (sm_90a)
 NO_SPECIALIZE = ("recent_from", "Lq", "num_splits", "prefix_len")  # the attention kernel's do_not_specialize
-TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64",
-         torch.float32: "fp32"}
+TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32",
+         torch.int64: "i64", torch.float32: "fp32"}
 
 
 @contextmanager

@@ -123,8 +123,8 @@ def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, i
     table = torch.zeros(batch, -(-length // layout.block_size), dtype=torch.int32)
     seq = torch.full((batch,), length, dtype=torch.int32)
     query = torch.randn(batch, hq, 1, d, dtype=torch.float16)
-    extra = exact_buffers(layout, batch, cfg.exact_prefix_tokens, cfg.recent_window, device="cpu")  # the ring as
-    # the cache keeps it (int8 records for the codebook presets)
+    # the exact prefix and the ring as the cache keeps them (int8 records for the codebook presets)
+    extra = exact_buffers(layout, batch, cfg.exact_prefix_tokens, cfg.recent_window, device="cpu")
     if cfg.key_centering:
         extra["key_offset"] = torch.randn(hk, d)
     overrides = VARIANTS[variant]
