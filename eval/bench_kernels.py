@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tq_hf.layout import ring_record_bytes
 from tq_hf.reference import encode_ring
 
-from .common import without_out_dir
+from .common import split_overrides, without_out_dir
 
 DECODE_SHAPES = [(32, 8, 128), (9, 3, 64), (32, 8, 64), (8, 4, 256), (32, 16, 256)]  # (Hq, Hk, D); --quick: the first
 PRESETS = ["4bit", "k8v4", "k3v4", "3bit"]
@@ -51,15 +51,17 @@ DEFAULTS_SUFFIX = "+defaults"  # ... the preset as TurboQuantCache uses it: ever
 
 def make_config(name: str, block_size: int | None = None):
     """TurboQuantConfig for a preset name, optionally suffixed with OPTIONS_SUFFIX or DEFAULTS_SUFFIX (else the
-    plain format: no centering, value rotation, exact prefix or ring)."""
+    plain format: no centering, value rotation, exact prefix or ring), then optionally with field overrides as
+    eval.common.split_overrides reads them ('k3v4+defaults@recent_window=256')."""
     from tq_hf.config import TurboQuantConfig
 
+    name, overrides = split_overrides(name)
     if name.endswith(DEFAULTS_SUFFIX):
-        return TurboQuantConfig.from_preset(name[: -len(DEFAULTS_SUFFIX)], block_size=block_size)
+        return TurboQuantConfig.from_preset(name[: -len(DEFAULTS_SUFFIX)], block_size=block_size, **overrides)
     opts = name.endswith(OPTIONS_SUFFIX)
     preset = name[: -len(OPTIONS_SUFFIX)] if opts else name
-    return TurboQuantConfig.from_preset(preset, block_size=block_size, key_centering=opts, value_rotation=opts,
-                                        exact_prefix_tokens=0, recent_window=0)
+    plain = dict(key_centering=opts, value_rotation=opts, exact_prefix_tokens=0, recent_window=0)
+    return TurboQuantConfig.from_preset(preset, block_size=block_size, **{**plain, **overrides})
 
 
 def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda", ring_records: bool | None = None) -> dict:

@@ -22,6 +22,10 @@ def test_preset_names(preset):
     assert defaults.exact_prefix_tokens > 0 and defaults.recent_window > 0
     for cfg in (plain, opts):  # the levers aside, the same format
         assert (cfg.key_bits, cfg.value_bits, cfg.block_size) == (defaults.key_bits, defaults.value_bits, None)
+    # field overrides after the suffix, as eval.common.split_overrides reads them
+    assert make_config(preset + "+defaults@recent_window=256") == TurboQuantConfig.from_preset(preset, recent_window=256)
+    assert make_config(preset + "@recent_window=64").recent_window == 64
+    assert make_config(preset + "@recent_window=64").exact_prefix_tokens == 0
 
 
 def test_exact_buffers_shapes():
