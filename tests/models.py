@@ -119,7 +119,9 @@ class FakeQuantLayer(DynamicLayer):
     quantize-dequantized with the row's current key_centering means, the exact prefix (positions
     kv_start[b] + s, s < P), and the exact ring (the last W positions; for a forward of several tokens over
     a non-empty history, the W positions before it and its own tokens). A first prefill in "exact" mode
-    attends over its own K/V.
+    attends over its own K/V. A forward of several tokens right after others (a run of such forwards, unbroken by a
+    one-token forward, a crop or a row change) attends the last chunk_history_tokens positions the run brought
+    as they came (the model's dtype) instead of the ring's, once they are at least the ring's W.
 
     The means (the spec, independent of cache.py): each row's real positions [kv_start, kv_start + W)
     that have arrived (W = recent_window), whatever forwards they came in; without a ring (W = 0), the real
@@ -133,6 +135,7 @@ class FakeQuantLayer(DynamicLayer):
         self.key_offset = None
         self.recent_from = 0
         self.settles_means = cfg.recent_window > 0
+        self.run = None  # (first, end) positions of the current run of forwards of several tokens
 
     def update(self, key_states, value_states, *args, **kwargs):
         start = self.get_seq_length()
@@ -159,6 +162,15 @@ class FakeQuantLayer(DynamicLayer):
         k = _prefix_from(k, held_k, first_real, self.cfg.exact_prefix_tokens)
         v = _prefix_from(v, held_v, first_real, self.cfg.exact_prefix_tokens)
         forward_window = start > 0 and new > 1 and self.cfg.prefill_attention == "exact"
+        exact_from = None  # where the run's exact tokens begin, when this forward attends them
+        if new > 1 and self.run is not None and self.run[1] == start:
+            size = self.cfg.chunk_history_tokens
+            history = min(size, start - self.run[0])
+            if forward_window and size > self.cfg.recent_window and history >= max(self.cfg.recent_window, 1):
+                exact_from = start - history
+            self.run = (self.run[0], start + new)
+        else:
+            self.run = (start, start + new) if new > 1 else None
         lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
         if self.cfg.recent_window or forward_window:
             # the ring: int8 records of the tokens as given (recent_format "int8"), or the exact tokens
@@ -166,6 +178,8 @@ class FakeQuantLayer(DynamicLayer):
             ring_k, ring_v = ((ring_round_trip(keys[:, :, lo:], mean), ring_round_trip(values[:, :, lo:]))
                               if self.cfg.ring_records else (held_k[:, :, lo:], held_v[:, :, lo:]))
             k[:, :, lo:], v[:, :, lo:] = ring_k, ring_v
+        if exact_from is not None:
+            k[:, :, exact_from:start], v[:, :, exact_from:start] = keys[:, :, exact_from:start], values[:, :, exact_from:start]
         if forward_window:
             k[:, :, start:], v[:, :, start:] = keys[:, :, start:], values[:, :, start:]
         if start == 0 and self.cfg.prefill_attention == "exact":
@@ -173,20 +187,24 @@ class FakeQuantLayer(DynamicLayer):
         return k, v
 
     def crop(self, max_length):
+        self.run = None
         if self.cfg.recent_window:
             self.recent_from = max(self.recent_from, self.get_seq_length() - self.cfg.recent_window)
         super().crop(max_length)
 
     def reorder_cache(self, beam_idx):
+        self.run = None
         super().reorder_cache(beam_idx)
         self._select_offsets(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int):
+        self.run = None
         super().batch_repeat_interleave(repeats)
         if self.key_offset is not None:
             self.key_offset = self.key_offset.repeat_interleave(repeats, dim=0)
 
     def batch_select_indices(self, indices):
+        self.run = None
         super().batch_select_indices(indices)
         self._select_offsets(indices)
 

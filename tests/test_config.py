@@ -48,7 +48,9 @@ def test_ring_records_by_key_format(preset, records):
 @pytest.mark.parametrize("field, bad", [("exact_prefix_tokens", -1), ("exact_prefix_tokens", 65),
                                         ("exact_prefix_tokens", 2.0), ("recent_window", -1),
                                         ("recent_window", 5000), ("key_centering", 1), ("value_rotation", "yes"),
-                                        ("recent_format", "fp8"), ("recent_format", None)])
+                                        ("recent_format", "fp8"), ("recent_format", None),
+                                        ("chunk_history_tokens", -1), ("chunk_history_tokens", 5000),
+                                        ("chunk_history_tokens", 256.0)])
 def test_lever_fields_validated(field, bad):
     with pytest.raises(ValueError, match=field):
         TurboQuantConfig(**{field: bad})

@@ -41,14 +41,15 @@ def prompt(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 90, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("chunk", [1, 32, 96])
+@pytest.mark.parametrize("chunk, history", [(1, 0), (32, 0), (96, 0), (32, 512), (64, 160)])
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
-def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(preset, chunk):
+def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(preset, chunk, history):
     """Against the oracle fed the same forwards (exact semantics, to float32 rounding); and layer 0, whose K/V do
     not depend on attention, ends with the same means and codes as after one prefill."""
     model = tiny_model("llama")
     # (an exact ring: with int8 records the history a chunk stores again under settling means comes from the records)
-    cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None, recent_format="exact", exact_dtype="model")
+    cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None, recent_format="exact", exact_dtype="model",
+                                       chunk_history_tokens=history)
     ids = prompt(PROMPT + 6)
     whole = TurboQuantCache(model.config, tq_config=cfg)
     feed(model, whole, ids[:, :PROMPT], None)
@@ -65,6 +66,49 @@ def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(pres
         assert moved <= 0.01, f"layer 0 {what}: {moved:.2%} of (position, head) pairs differ after chunks of {chunk}"
     assert_close(forced_decode(model, ours, ids, PROMPT, 6), forced_decode(model, oracle, ids, PROMPT, 6),
                  atol=ATOL, what="decode after chunks")
+
+
+@pytest.mark.parametrize("preset", ["3bit", "4bit"])
+def test_chunks_attend_the_tokens_of_earlier_chunks_exactly(preset):
+    """With chunk_history_tokens covering the prompt (and an exact ring for its start), every chunk of a chunked
+    prefill attends the whole history exactly: the prompt's logits are a DynamicCache's, to float32 rounding.
+    Without it the history beyond the ring is read compressed and the logits move by far more."""
+    model = tiny_model("llama")
+    ids = prompt(PROMPT, seed=4)
+    want = feed(model, DynamicCache(), ids, None)
+    moved = {}
+    for history in (256, 0):
+        cfg = TurboQuantConfig.from_preset(preset, dense_layer_kl=None, recent_format="exact", exact_dtype="model",
+                                           chunk_history_tokens=history)
+        got = feed(model, TurboQuantCache(model.config, tq_config=cfg), ids, 32)
+        moved[history] = (got - want).abs().max().item()
+    assert moved[256] < ATOL, f"chunks over an exact history moved the logits by {moved[256]:.2e}"
+    assert moved[0] > 100 * ATOL, f"without the chunk history the logits moved only {moved[0]:.2e}"
+
+
+def test_the_chunk_history_is_transient():
+    """Kept between forwards of several tokens (counted by memory_footprint), freed by the next one-token step;
+    a chunk after decode steps reads the ring again (the oracle test covers its values)."""
+    model = tiny_model("llama")
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, chunk_history_tokens=160)
+    ids = prompt(PROMPT + 40, seed=6)
+    cache = TurboQuantCache(model.config, tq_config=cfg)
+    feed(model, cache, ids[:, :PROMPT], 64)
+    layer = cache.layers[0]
+    heads, dim = layer.layout.num_kv_heads, layer.layout.head_dim
+    # the forwards' K/V are kept whole: the last 160 positions (40-200) reach into the first chunk, so all four
+    # chunks' 200 tokens stay, keys and values as the model gave them (float32)
+    kept = 2 * PROMPT * heads * dim * 4
+    assert layer.chunk_history_bytes() == kept
+    assert all(x.shape[2] == 160 for x in layer._chunk_history_window())
+    assert layer.memory_footprint() == layer.pool_bytes() + layer.exact_side_bytes() + kept
+    forced_decode(model, cache, ids, PROMPT, 1)
+    assert layer.chunk_history_bytes() == 0 and layer.memory_footprint() == layer.pool_bytes() + layer.exact_side_bytes()
+    feed_from = PROMPT + 1
+    x = ids[:, feed_from : feed_from + 20]
+    model(input_ids=x, position_ids=torch.arange(feed_from, feed_from + 20)[None], use_cache=True, **with_cache(cache))
+    # a new run: its own 20 tokens kept (a next chunk attends them once the run holds the ring's 128)
+    assert layer.chunk_history_bytes() == 2 * 20 * heads * dim * 4
 
 
 def test_a_forward_of_several_tokens_attends_its_own_tokens_exactly():
@@ -86,10 +130,12 @@ def test_a_forward_of_several_tokens_attends_its_own_tokens_exactly():
     assert_close(got, feed(model, oracle, ids[:, 1:], None), atol=ATOL, what="second forward")
 
 
-def test_generate_with_prefill_chunks_equals_the_oracle():
+@pytest.mark.parametrize("history", [0, 160])
+def test_generate_with_prefill_chunks_equals_the_oracle(history):
     model = tiny_model("qwen2")
     ids, mask, _ = left_padded_batch([PROMPT - 40, PROMPT - 3], seed=2)  # row 0's padding spans the first chunk
-    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact", exact_dtype="model")  # (as above)
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact", exact_dtype="model",
+                                       chunk_history_tokens=history)  # (as above)
     ours = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=6,
                     prefill_chunk_size=32)
     oracle = generate(model, ids, mask, FakeQuantCache(model.config, cfg, mask), max_new_tokens=6,
@@ -147,16 +193,18 @@ def test_a_second_turn_is_close_to_one_prefill_of_the_conversation():
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gpt_oss", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("chunk", [48, 96])  # 96: llama in fp16 takes the dense route (kernels/history.py)
-def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, chunk, monkeypatch):
-    """The kernels over a forward's own ring (its tokens and the W before them) vs reference.py on CUDA."""
+# 96: llama in fp16 takes the dense route (kernels/history.py); 32 with 160 history tokens: windows of 192 slots
+@pytest.mark.parametrize("chunk, history", [(48, 0), (96, 0), (32, 160)])
+def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, chunk, history, monkeypatch):
+    """The kernels over a forward's own ring (its tokens and the W before them, or the chunk history) vs
+    reference.py on CUDA."""
     from tq_hf.kernels import history
 
     monkeypatch.setattr(history, "DENSE_HISTORY_MIN_QUERIES", 64)  # (the tiny models' 256 positions)
     monkeypatch.setattr(history, "DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS", 64)
     model = tiny_model(family, dtype=dtype, device="cuda")
     ids = prompt(PROMPT + 6, seed=4).cuda()
-    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None)
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, chunk_history_tokens=history)
     runs = []
     for force in ("0", "1"):
         monkeypatch.setenv("TQ_HF_FORCE_REFERENCE", force)

@@ -183,6 +183,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
         self._prefix_open = False  # length < prefix_fill_until, kept as a flag (a compiled step reads no length)
         self.recent_from = 0  # host int: the ring is valid from max(recent_from, length - W) (crop lowers it)
+        self._drop_chunk_history()
         self.is_initialized = self.pool is not None
 
     @property
@@ -277,6 +278,7 @@ class TurboQuantLayer(CacheLayerMixin):
             self._set_means(_key_mean(key_states))  # per row and KV head, over the first update's tokens
             self._recenter_pending = not dense
         # one launch: the codes, the exact ring's copy of the last tokens (recent_window) and the new row lengths
+        self._keep_chunk_history(key_states, value_states, start, dense)
         if new == 1:
             self._store_step(key_states, value_states, start)
         else:
@@ -315,6 +317,8 @@ class TurboQuantLayer(CacheLayerMixin):
         self._reserve(start + 1)
         self._store_step(key_states, value_states, start)
         self._length = start + 1
+        if self._chunk_history:
+            self._drop_chunk_history()
         setattr(key_states, STEP_ATTRIBUTE, self._decode_step)
         return key_states, value_states
 
@@ -473,6 +477,7 @@ class TurboQuantLayer(CacheLayerMixin):
             new_length = min(tokens_to_remove, self.length)
         else:
             new_length = max(self.length + tokens_to_remove, 0)
+        self._drop_chunk_history()
         if new_length != self.length:
             if self.recent_keys is not None:  # ring slots of dropped positions will be overwritten
                 self.recent_from = max(self.recent_from, self.length - self.recent_keys.shape[2])
@@ -586,7 +591,7 @@ class TurboQuantLayer(CacheLayerMixin):
         them. The history's tokens in the ring are stored again with the new means (restore_new: this forward's
         tokens too), so every stored code of a row goes with the row's current means."""
         w = self.layout.config.recent_window
-        first = start if window is None else start - self.ring_size
+        first = start if window is None else start - (window[0].shape[2] - key_states.shape[2])
         keys = key_states if window is None else _in_position_order(window[0], first)
         pos = first + torch.arange(keys.shape[2], device=self.device)
         lo = torch.zeros(self.rows, dtype=torch.long, device=self.device) if self.kv_start is None else self.kv_start.long()
@@ -602,7 +607,7 @@ class TurboQuantLayer(CacheLayerMixin):
                           self._slots(start, key_states.shape[2]), key_offset=self.key_offset,
                           recent=self._records_ring(), start=start)
             return
-        count = keys.shape[2] if restore_new else self.ring_size
+        count = keys.shape[2] if restore_new else keys.shape[2] - key_states.shape[2]
         kept = (pos[:count] >= max(self.recent_from, 0))[None, :].expand(self.rows, -1)
         slots = torch.where(kept.flatten(), self._slots(first, count, clamp=True), -1)
         values = _in_position_order(window[1], first)
@@ -637,11 +642,19 @@ class TurboQuantLayer(CacheLayerMixin):
     def forward_window(self, key_states: torch.Tensor, value_states: torch.Tensor,
                        start: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact tokens a forward of several new tokens attends besides the pool: the ring's W positions
-        before `start` and the new tokens, as one ring of W + new slots (position p at slot p % (W + new), the
-        layout the kernels' recent_window overlay reads). So every new query attends the forward's own tokens
-        exactly, and the older history as a decode step at `start` would. Read before the store overwrites
-        the ring."""
-        w, new = self.ring_size, key_states.shape[2]
+        before `start` (or the chunk history's, when the forward follows another that kept it) and the new
+        tokens, as one ring of W + new slots (position p at slot p % (W + new), the layout the kernels'
+        recent_window overlay reads). So every new query attends the forward's own tokens exactly, and the
+        older history as a decode step at `start` would. Read before the store overwrites the ring."""
+        new = key_states.shape[2]
+        if (new > 1 and self._chunk_history and type(start) is int and start == self._chunk_history_end
+                and self._chunk_history_tokens() >= self.ring_size):
+            history = self._chunk_history_window()
+            h = history[0].shape[2]
+            pos = torch.arange(h + new, device=self.device) + (start - h)
+            seqs = (torch.cat([past.to(x.dtype), x], 2) for past, x in zip(history, (key_states, value_states)))
+            return tuple(torch.empty_like(seq).index_copy_(2, pos % (h + new), seq) for seq in seqs)
+        w = self.ring_size
         pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
         out = []
         for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
@@ -651,6 +664,39 @@ class TurboQuantLayer(CacheLayerMixin):
             seq = x
             out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
         return out[0], out[1]
+
+    def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
+                            dense: bool) -> None:
+        """After an eager forward of several tokens, keep its K/V (by reference where they own their storage) with
+        those of the forwards of several tokens right before it, up to chunk_history_tokens, for a next such
+        forward; anything else drops them. A fixed-capacity layer keeps none (its memory is allocated up front)."""
+        size, new = self.layout.config.chunk_history_tokens, key_states.shape[2]
+        if new == 1 or dense or size <= self.ring_size or self.max_cache_len is not None:
+            self._drop_chunk_history()
+            return
+        pieces = self._chunk_history if start == self._chunk_history_end else []
+        pieces.append(tuple(_own_storage(x[:, :, -size:]) for x in (key_states, value_states)))
+        while sum(k.shape[2] for k, _ in pieces[1:]) >= size:  # the oldest piece is no longer needed
+            pieces.pop(0)
+        self._chunk_history, self._chunk_history_end = pieces, start + new
+
+    def _chunk_history_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept history's last chunk_history_tokens positions: keys and values [rows, H, T, D] in position
+        order."""
+        size, pieces = self.layout.config.chunk_history_tokens, self._chunk_history
+        return tuple((torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i])[:, :, -size:]
+                     for i in range(2))
+
+    def _chunk_history_tokens(self) -> int:
+        return min(self.layout.config.chunk_history_tokens, sum(k.shape[2] for k, _ in self._chunk_history))
+
+    def _drop_chunk_history(self) -> None:
+        self._chunk_history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of each forward, in order
+        self._chunk_history_end = -1  # the position after its last token
+
+    def chunk_history_bytes(self) -> int:
+        """The K/V kept between forwards of several tokens (chunk_history_tokens; transient)."""
+        return _bytes(self._chunk_history)
 
     def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Copy the new tokens that are among each row's first P real tokens into the exact prefix.
@@ -687,7 +733,7 @@ class TurboQuantLayer(CacheLayerMixin):
         return k[:, :, :tokens].to(dtype), v[:, :, :tokens].to(dtype)
 
     def memory_footprint(self) -> int:
-        return self.pool_bytes() + self.exact_side_bytes()
+        return self.pool_bytes() + self.exact_side_bytes() + self.chunk_history_bytes()
 
     def pool_bytes(self) -> int:
         """The compressed pool: grows with the tokens."""
@@ -794,6 +840,7 @@ class TurboQuantLayer(CacheLayerMixin):
         if self.pool is None:
             return
         self.launches.drop()
+        self._drop_chunk_history()
         indices = indices.to(self.device)
         new_rows = indices.shape[0]
         used = -(-self.length // self.layout.block_size)
@@ -867,6 +914,16 @@ def _in_position_order(window: torch.Tensor, first: int) -> torch.Tensor:
     """A forward window [B, H, N, D] (position p at slot p % N) in position order, from position `first`."""
     size = window.shape[2]
     return window.index_select(2, torch.arange(first, first + size, device=window.device) % size)
+
+
+def _bytes(pieces) -> int:
+    return sum(t.numel() * t.element_size() for piece in pieces for t in piece)
+
+
+def _own_storage(x: torch.Tensor) -> torch.Tensor:
+    """x itself when it spans its whole storage, else a copy: a kept slice (or a fused projection's view) must not
+    keep a larger tensor alive."""
+    return x if x.untyped_storage().nbytes() == x.numel() * x.element_size() else x.clone()
 
 
 def _tokens_first(x: torch.Tensor) -> torch.Tensor:
