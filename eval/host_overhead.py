@@ -19,6 +19,13 @@ every 1/16 of the capacity) is device work on a GPU but CPU memory traffic here.
 
 Prints a table (us per layer step: the median and the best of --rounds, each with its ratio to the fp16 sdpa row)
 and writes OUT/results.json and OUT/table.md; --profile prints the top functions of one more round.
+
+--generate-layers N adds the whole eager generate() step of a model of N such layers (Llama, hidden size 64, so the
+projections are small), every heavy op stubbed alike for both caches (the projections give zeros, sdpa zeros, the
+DynamicLayer's torch.cat a view, Triton launches nothing): ms per generated token, the difference between
+generating 2T and T tokens over T (--generate-tokens), so the prefill and generate()'s setup drop out. It counts
+everything a GPU host runs per token in Python and small tensor ops (the model's norms and rotary embedding, the
+mask, generate()'s own loop), but no kernel launch's driver time.
 """
 
 from __future__ import annotations
@@ -65,16 +72,21 @@ def stubbed_launches():
 
 
 @contextlib.contextmanager
-def stubbed_dense_ops():
+def stubbed_dense_ops(whole_model: bool = False):
     """The fp16 sdpa row's heavy ops without their work (restored after): torch.cat (DynamicLayer.update's append)
-    returns a view of a preallocated buffer of the concatenated shape, and torch's sdpa an empty output."""
+    returns a view of a preallocated buffer of the concatenated shape, and torch's sdpa an empty output.
+    whole_model: for a model's forward, which reads them: sdpa gives zeros, and torch.cat is real for anything but
+    4-D floating tensors (generate()'s token ids)."""
     functional = torch.nn.functional
     saved = (torch.cat, functional.scaled_dot_product_attention)
     buffers: dict[tuple, torch.Tensor] = {}
+    real_cat = torch.cat
 
     def cat_view(tensors, dim=0):
         tensors = [t for t in tensors if t.shape != (0,)]  # torch.cat skips 1-D empties (an empty DynamicLayer's)
         first = tensors[0]
+        if whole_model and (first.dim() != 4 or not first.is_floating_point()):
+            return real_cat(tensors, dim)
         dim %= first.dim()
         length = sum(t.shape[dim] for t in tensors)
         key = (first.dtype, first.device, tuple(first.shape[:dim]), tuple(first.shape[dim + 1:]))
@@ -86,6 +98,8 @@ def stubbed_dense_ops():
         return buf.narrow(dim, 0, length)
 
     def sdpa_empty(query, key, value, *args, **kwargs):
+        if whole_model:
+            return query.new_zeros(*query.shape[:-1], value.shape[-1])
         return query.new_empty(*query.shape[:-1], value.shape[-1])
 
     try:
@@ -93,6 +107,49 @@ def stubbed_dense_ops():
         yield
     finally:
         torch.cat, functional.scaled_dot_product_attention = saved
+
+
+@contextlib.contextmanager
+def stubbed_model_ops():
+    """A whole model's heavy ops without their work, for both caches (restored after): the projections (F.linear)
+    give zeros of their output's shape, as the dense ops' stubs do for torch.cat and sdpa."""
+    functional = torch.nn.functional
+    saved = functional.linear
+    try:
+        functional.linear = lambda x, weight, bias=None: x.new_zeros(*x.shape[:-1], weight.shape[0])
+        with stubbed_dense_ops(whole_model=True):
+            yield
+    finally:
+        functional.linear = saved
+
+
+def generate_timer(cache_name: str, layers: int, context: int, heads: tuple[int, int, int] = HEADS):
+    """A callable n -> seconds of an eager greedy generate() of n new tokens (B=1) over a prompt of `context` tokens
+    already in a fresh cache ("fp16 sdpa": a DynamicCache, else a TurboQuantCache preset). Call under stubbed_model_ops
+    (and stubbed_launches for a preset)."""
+    import tq_hf  # noqa: F401  (registers the attention function)
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from tq_hf.demo import cache_kwarg
+
+    hq, hk, d = heads
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
+                      num_hidden_layers=layers, intermediate_size=64, vocab_size=256,
+                      max_position_embeddings=2 * context + 4096)
+    model = LlamaForCausalLM(cfg).to(torch.float16).eval()
+    model.set_attn_implementation("sdpa" if cache_name == DENSE else "turboquant")
+    ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def run(n: int) -> float:
+        cache = DynamicCache(config=cfg) if cache_name == DENSE else tq_hf.TurboQuantCache(cfg, preset=cache_name)
+        model.generate(ids[:, :context], max_new_tokens=1, do_sample=False, **cache_kwarg(model, cache))  # prefill
+        for layer in cache.layers:  # the pool's growth is device work on a GPU, CPU memory traffic here
+            if hasattr(layer, "_reserve"):
+                layer._reserve(context + n + 8)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache_kwarg(model, cache))
+        return time.perf_counter() - start
+    return run
 
 
 def _model_config(heads: tuple[int, int, int], attention: str):
@@ -167,6 +224,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=2000, help="decode steps per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print the top functions of one more round")
+    ap.add_argument("--generate-layers", type=int, default=0,
+                    help="also time the whole eager generate() step of a model of this many layers (0: not)")
+    ap.add_argument("--generate-tokens", type=int, default=32, help="T: tokens per timed generate() (2T and T)")
     ap.add_argument("--out", default="eval/results/host_overhead")
     args = ap.parse_args(argv)
     threads = torch.get_num_threads()
@@ -174,9 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)  # steadier figures; restored below
     try:
         rows = _measure(args)
+        generate_rows = _measure_generate(args) if args.generate_layers else []
     finally:
         torch.set_num_threads(threads)
-    report = {"meta": run_metadata("eval.host_overhead", argv), "load_average": load, "rows": rows}
+    report = {"meta": run_metadata("eval.host_overhead", argv), "load_average": load, "rows": rows,
+              "generate_rows": generate_rows}
     print(write_outputs(Path(args.out), report))
     return report
 
@@ -194,6 +256,14 @@ def write_outputs(out: Path, report: dict) -> str:
     head = md_header("Host time of one decode layer step (Triton launches stubbed, CPU tensors)",
                      report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread",
                      f"load average {report['load_average']:.1f} at the start (of {os.cpu_count()} CPUs)")
+    if report.get("generate_rows"):
+        r0 = report["generate_rows"][0]
+        table += (f"\n\n### The whole eager generate() step: {r0['layers']} layers, B=1, context {r0['context']}, every "
+                  f"heavy op stubbed\n\n") + markdown_table(
+            ["cache", "ms per token (median)", f"x {DENSE}", "best round", f"best x {DENSE}", "rounds"],
+            [[r["preset"], f"{r['ms_per_token']:.3f}", f"{r['vs_dense']:.2f}", f"{r['best_ms']:.3f}",
+              f"{r['best_vs_dense']:.2f}", " / ".join(f"{x:.3f}" for x in r["rounds_ms"])]
+             for r in report["generate_rows"]])
     (out / "table.md").write_text(head + "\n" + table + "\n")
     return table
 
@@ -227,6 +297,24 @@ def _measure(args) -> list[dict]:
              "us_per_layer_step": statistics.median(rounds), "vs_dense": statistics.median(rounds) / dense,
              "best_us": min(rounds), "best_vs_dense": min(rounds) / dense_best, "rounds_us": rounds}
             for name, rounds in per_round.items()]
+
+
+def _measure_generate(args) -> list[dict]:
+    """The whole-step rows: fp16 sdpa, then each preset; per round (alternating) the marginal ms per token."""
+    names = [DENSE] + args.presets.split(",")
+    timers = {name: generate_timer(name, args.generate_layers, args.context) for name in names}
+    t = args.generate_tokens
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for first in [True] + [False] * (args.rounds - 1):
+        for name in names:
+            with stubbed_model_ops(), (stubbed_launches() if name != DENSE else contextlib.nullcontext()):
+                if first:
+                    timers[name](2)  # plans made, caches warm
+                per_round[name].append(1e3 * (timers[name](2 * t) - timers[name](t)) / t)
+    dense, dense_best = statistics.median(per_round[DENSE]), min(per_round[DENSE])
+    return [{"preset": name, "layers": args.generate_layers, "context": args.context, "tokens": t,
+             "ms_per_token": statistics.median(r), "vs_dense": statistics.median(r) / dense, "best_ms": min(r),
+             "best_vs_dense": min(r) / dense_best, "rounds_ms": r} for name, r in per_round.items()]
 
 
 if __name__ == "__main__":

@@ -55,3 +55,31 @@ def test_dense_stubs_keep_shapes_and_are_restored():
         step()
     assert (torch.cat, torch.nn.functional.scaled_dot_product_attention) == saved
     assert torch.equal(torch.cat([a, b], dim=-2)[:, :, :5], a)  # the real cat again
+
+
+def test_generate_rows(tmp_path):
+    """--generate-layers: the whole eager generate() step, fp16 then each preset, as marginal ms per token."""
+    report = main(["--presets", "4bit", "--steps", "2", "--rounds", "2", "--context", "40", "--generate-layers", "2",
+                   "--generate-tokens", "3", "--out", str(tmp_path)])
+    rows = report["generate_rows"]
+    assert [r["preset"] for r in rows] == [DENSE, "4bit"] and all(len(r["rounds_ms"]) == 2 for r in rows)
+    assert rows[0]["vs_dense"] == 1.0 and rows[1]["vs_dense"] == rows[1]["ms_per_token"] / rows[0]["ms_per_token"]
+    assert "The whole eager generate() step: 2 layers" in (tmp_path / "table.md").read_text()
+
+
+def test_whole_model_stubs_keep_token_ids_real_and_are_restored():
+    """Under stubbed_model_ops the projections and sdpa give zeros of their shapes, K/V appends a view, and the token
+    ids generate() concatenates stay real; everything restored after."""
+    from eval.host_overhead import stubbed_model_ops, generate_timer
+
+    functional = torch.nn.functional
+    saved = (torch.cat, functional.scaled_dot_product_attention, functional.linear)
+    ids = torch.tensor([[1, 2]])
+    with stubbed_model_ops():
+        assert torch.equal(torch.cat([ids, torch.tensor([[3]])], -1), torch.tensor([[1, 2, 3]]))
+        y = torch.nn.Linear(4, 6)(torch.randn(2, 4))
+        assert y.shape == (2, 6) and not y.any()
+        q = torch.randn(1, 4, 1, 8)
+        assert not functional.scaled_dot_product_attention(q, q, q).any()
+        assert generate_timer(DENSE, 1, 16, heads=(4, 2, 8))(2) > 0
+    assert (torch.cat, functional.scaled_dot_product_attention, functional.linear) == saved
