@@ -647,23 +647,27 @@ class TurboQuantLayer(CacheLayerMixin):
         recent_window overlay reads). So every new query attends the forward's own tokens exactly, and the
         older history as a decode step at `start` would. Read before the store overwrites the ring."""
         new = key_states.shape[2]
+        past = self._window_history(start, new)
+        w = 0 if past is None else past[0].shape[2]
+        pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
+        seqs = (x if p is None else torch.cat([p.to(x.dtype), x], 2)
+                for p, x in zip(past or (None, None), (key_states, value_states)))
+        return tuple(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq) for seq in seqs)
+
+    def _window_history(self, start: int | torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The history positions a forward window holds before `start`, keys and values in position order: the
+        chunk history when this forward of several tokens follows the ones that kept it (and it holds at least
+        the ring's tokens), else the ring's W positions (decoded records); None without a ring."""
         if (new > 1 and self._chunk_history and type(start) is int and start == self._chunk_history_end
                 and self._chunk_history_tokens() >= self.ring_size):
-            history = self._chunk_history_window()
-            h = history[0].shape[2]
-            pos = torch.arange(h + new, device=self.device) + (start - h)
-            seqs = (torch.cat([past.to(x.dtype), x], 2) for past, x in zip(history, (key_states, value_states)))
-            return tuple(torch.empty_like(seq).index_copy_(2, pos % (h + new), seq) for seq in seqs)
+            return self._chunk_history_window()
+        if self.recent_keys is None:
+            return None
         w = self.ring_size
-        pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
-        out = []
-        for ring, x in ((self.recent_keys, key_states), (self.recent_values, value_states)):
-            if ring is not None:
-                offset = reference.ring_offset(self.key_offset) if ring is self.recent_keys else None
-                x = torch.cat([reference.ring_vectors(ring.index_select(2, pos[:w] % w), offset).to(x.dtype), x], 2)
-            seq = x
-            out.append(torch.empty_like(seq).index_copy_(2, pos % (w + new), seq))
-        return out[0], out[1]
+        slots = (torch.arange(w, device=self.device) + (start - w)) % w
+        offset = reference.ring_offset(self.key_offset)
+        return (reference.ring_vectors(self.recent_keys.index_select(2, slots), offset),
+                reference.ring_vectors(self.recent_values.index_select(2, slots)))
 
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
