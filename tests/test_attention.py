@@ -117,9 +117,39 @@ def test_mask_function_never_skips_at_decode_and_carries_padding():
     assert decode is not None and decode.shape == (2, 1, 1, 9)
     assert getattr(decode, PADDING_ATTRIBUTE) is real
     assert turboquant_mask(batch_size=2, q_length=9, kv_length=9, attention_mask=real) is None  # like sdpa
-    no_2d = turboquant_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8)
-    assert getattr(no_2d, PADDING_ATTRIBUTE) is NO_PADDING  # the model got no 2-D mask: nothing is padded
+    assert turboquant_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8) is None  # no 2-D mask, no read: sdpa's
+    earlier = turboquant_mask(batch_size=2, q_length=1, kv_length=9, q_offset=6)  # a query before the last key
+    assert getattr(earlier, PADDING_ATTRIBUTE) is NO_PADDING  # the model got no 2-D mask: nothing is padded
+    assert torch.equal(earlier[:, 0, 0], torch.arange(9).expand(2, 9) <= 6)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.long])
+def test_one_query_mask_is_sdpas_mask_where_it_takes_the_padding_as_is(dtype):
+    """At a one-query step over a plain causal mask the mask function hands back the 2-D padding mask as a 4-D
+    view instead of building it; it must equal HF's materialized sdpa mask for random padding, and every other
+    case (sliding window, custom mask function, a query not at the last key, a device offset) goes to sdpa_mask."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    g = torch.Generator().manual_seed(7)
+    for rows, kv, offset in ((1, 9, 0), (3, 17, 0), (2, 12, 5)):
+        padding = (torch.rand(rows, offset + kv, generator=g) > 0.4).to(dtype)
+        padding[:, -1] = 1
+        cases = [dict(q_offset=offset + kv - 1),  # the view
+                 dict(q_offset=offset + kv - 3),  # a query before the last key: keys after it are masked
+                 dict(q_offset=offset + kv - 1, local_size=4, mask_function=sliding_window_causal_mask_function(4)),
+                 dict(q_offset=torch.tensor(offset + kv - 1))]
+        view = turboquant_mask(batch_size=rows, q_length=1, kv_length=kv, kv_offset=offset, attention_mask=padding,
+                               q_offset=offset + kv - 1)
+        assert view.dtype == torch.bool and view.data_ptr() == padding.data_ptr() + offset * padding.element_size() \
+            or dtype != torch.bool, "a bool padding mask is viewed, not copied"
+        for extra in cases:
+            kwargs = dict(batch_size=rows, q_length=1, kv_length=kv, kv_offset=offset, attention_mask=padding, **extra)
+            got = turboquant_mask(**kwargs)
+            want = sdpa_mask(**{**kwargs, "allow_is_causal_skip": False, "attention_mask": padding.bool()})
+            assert got.shape[1:] == want.shape[1:] and got.shape[0] in (1, rows)
+            assert torch.equal(got.bool().expand_as(want), want), extra
+            assert getattr(got, PADDING_ATTRIBUTE) is padding
 
 
 # ---- sliding-window layers: left padding vs keys the window hides ---------------------------------

@@ -7,17 +7,18 @@ over the prompt's own K/V with HF's mask. With any other cache, or none, this is
 math (eager-equivalent where sdpa lacks the feature: logit softcapping, attention sinks).
 
 The mask function is HF's sdpa mask with two changes: at decode (one query) it never takes the
-host-syncing "is the mask skippable" shortcut, and a materialized mask carries the 2-D padding
-mask it was built from (or NO_PADDING when the model got none), so the attention function can find
-each row's first real position: the 4-D mask alone cannot tell left padding from keys that a
-sliding window hides.
+host-syncing "is the mask skippable" shortcut (a plain causal decode mask is the 2-D padding mask
+itself, viewed as 4-D, or None without one; anything else is built), and a mask carries the 2-D
+padding mask it was built from (or NO_PADDING when the model got none), so the attention function
+can find each row's first real position: the 4-D mask alone cannot tell left padding from keys
+that a sliding window hides.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import ops, reference
@@ -69,6 +70,12 @@ def turboquant_attention_forward(
     if dropout and module.training:
         raise ValueError("attention dropout is not supported over a TurboQuantCache (the model is in training mode)")
     layer = step.layer
+    out = None
+    if step is layer._decode_step and not layer.needs_full_mask and query.dim() == 4:  # most generate() steps
+        b, hq, lq, d = query.shape
+        out = query.new_empty(b, lq, hq, d)
+        if _held_decode(layer, query, out.transpose(1, 2), scale, sliding_window, sinks, softcap):
+            return out, None
     _check_query(query, layer)
     # (a decode step's update already filled the prefix with the padding it knew)
     if step.refresh_padding and _settle_prefill(step, attention_mask, query, key, value, scale, sliding_window,
@@ -86,7 +93,8 @@ def turboquant_attention_forward(
     # written as [B, Lq, Hq, D], the layout the model's output projection reads (no transposing copy)
     # (a fixed-capacity layer bounds the walk by its capacity: one kernel plan for every step, no length read)
     b, hq, lq, d = query.shape
-    out = query.new_empty(b, lq, hq, d)
+    if out is None:
+        out = query.new_empty(b, lq, hq, d)
     view = out.transpose(1, 2)
     # several queries over unpadded rows: no kv_start, and the common length, for the dense route (ops)
     dense_ok = lq > 1 and not layer.padded and not torch.compiler.is_compiling()
@@ -98,6 +106,20 @@ def turboquant_attention_forward(
         held=layer.launches if lq == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return (out if result is view else result.transpose(1, 2)), None  # (traced: the op's new tensor)
+
+
+def _held_decode(layer, query: torch.Tensor, view: torch.Tensor, scale: float, sliding_window: int | None,
+                 sinks: torch.Tensor | None, softcap: float | None) -> bool:
+    """A settled layer's one-token step through the launch the layer holds (ops.paged_attention_held), with the
+    arguments the general call below passes for such a step; False when the held launch does not serve it."""
+    prefix, ring = layer.prefix_keys is not None, layer.recent_keys is not None
+    return ops.paged_attention_held(
+        query, view, layer.launches, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
+        layer.kv_start, sliding_window, sinks, softcap,
+        layer.length if layer.max_cache_len is None else layer.max_cache_len, layer.key_offset,
+        layer.prefix_keys, layer.prefix_values if prefix else None, layer.recent_keys,
+        layer.recent_values if ring else None, layer.recent_from if ring else 0, layer.decode_workspace,
+    )
 
 
 def _is_cross_attention(module: torch.nn.Module) -> bool:
@@ -290,7 +312,10 @@ def _visible_columns(seen: torch.Tensor, start: int, sliding_window: int | None)
 
 def turboquant_mask(*args, **kwargs) -> torch.Tensor | None:
     """HF's sdpa mask; never host-synced at decode; carries the 2-D padding mask it was built from."""
-    if kwargs.get("q_length") == 1:
+    if kwargs.get("q_length") == 1 and not args:
+        mask = _one_query_padding_mask(kwargs)
+        if mask is not SDPA_MASK:
+            return mask
         kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
     padding = kwargs.get("attention_mask")
@@ -299,6 +324,32 @@ def turboquant_mask(*args, **kwargs) -> torch.Tensor | None:
     elif mask is not None and padding.dim() == 2:
         setattr(mask, PADDING_ATTRIBUTE, padding)
     return mask
+
+
+def _one_query_padding_mask(kwargs: dict) -> torch.Tensor | None | str:
+    """A one-query forward's sdpa mask where it is the padding alone: a plain causal mask (no window, chunk, packed
+    sequence or custom mask: HF then gives another mask_function or disallows the skip) whose query is at the last
+    key (host ints). Without a 2-D mask that is None, as sdpa_mask gives (no host read); with one, a 4-D view of it,
+    which sdpa_mask would build from aranges and comparisons at every decode step (~50 us of host time per forward).
+    SDPA_MASK where sdpa_mask must build it."""
+    padding, kv_length, kv_offset = kwargs.get("attention_mask"), kwargs.get("kv_length"), kwargs.get("kv_offset", 0)
+    q_offset = kwargs.get("q_offset")
+    if (kwargs.get("local_size") is not None or kwargs.get("use_vmap") or not kwargs.get("allow_is_causal_skip", True)
+            or kwargs.get("mask_function", causal_mask_function) is not causal_mask_function
+            or type(kv_length) is not int or type(kv_offset) is not int or type(q_offset) is not int
+            or q_offset != kv_offset + kv_length - 1):
+        return SDPA_MASK
+    if padding is None:
+        return None
+    if padding.dim() != 2 or padding.shape[-1] != kv_offset + kv_length or padding.shape[0] != kwargs.get("batch_size"):
+        return SDPA_MASK
+    mask = padding[:, None, None, kv_offset:] if padding.dtype == torch.bool else padding[:, None, None, kv_offset:] != 0
+    mask = mask.to(kwargs.get("device", mask.device))
+    setattr(mask, PADDING_ATTRIBUTE, padding)
+    return mask
+
+
+SDPA_MASK = "sdpa_mask"  # _one_query_padding_mask's answer where sdpa_mask must build the mask
 
 
 def register() -> None:

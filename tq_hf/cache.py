@@ -326,10 +326,13 @@ class TurboQuantLayer(CacheLayerMixin):
         """A one-token step's store: its tokens as they are (one per row) at each row's first slot shifted to
         `start` (a host int; no tensor op per step), the ring and the lengths in the same launch, the layer's held
         plans."""
+        shift = self._slot_shift(start)
+        if ops.store_held(self.launches, self.pool, self.layout, key_states, value_states, self._row_slots,
+                          self.key_offset, self.recent_keys, self.recent_values, self.seq_lens, start, shift):
+            return  # (a repeated step: the held store, without the general call's plumbing)
         recent = (self.recent_keys, self.recent_values) if self.recent_keys is not None else None
         ops.store(self.pool, self.layout, key_states, value_states, self._row_slots, key_offset=self.key_offset,
-                  recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=self._slot_shift(start),
-                  held=self.launches)
+                  recent=recent, start=start, seq_lens=self.seq_lens, slot_shift=shift, held=self.launches)
 
     def _traced_update(self, key_states: torch.Tensor, value_states: torch.Tensor,
                        dense: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,22 @@ def store(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: tor
         reference.store(pool, layout, key, value, slots, **kwargs)
 
 
+def store_held(held: HeldLaunches, pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: torch.Tensor,
+               slots: torch.Tensor, key_offset, recent_keys, recent_values, seq_lens, start: int,
+               slot_shift: int) -> bool:
+    """store(pool, layout, key, value, slots, held=held, ...) with these arguments (no ring: recent_keys None) when
+    the caller's held store serves them (a cache layer's settled one-token step, eager): True once launched, else
+    False and nothing done (call store). It skips the general path's keyword plumbing (docs/performance.md)."""
+    held_store = held.store  # (set only where the kernels run, outside compiled regions)
+    if held_store is None or torch.compiler.is_compiling():
+        return False
+    signature = _kernels().store_signature(pool, layout, slots, key_offset, recent_keys, recent_values, seq_lens)
+    if not held_store.serves(signature, key, value):
+        return False
+    held_store.launch(key, value, start, slot_shift)
+    return True
+
+
 def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     held: HeldLaunches | None = None, **kwargs) -> torch.Tensor:
@@ -140,6 +156,26 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
     kwargs.pop("workspace", None)  # the kernels' split scratch
     result = reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
     return result if out is None else out.copy_(result)
+
+
+def paged_attention_held(query: torch.Tensor, out: torch.Tensor, held: HeldLaunches, pool: torch.Tensor,
+                         layout: BlockLayout, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         kv_start, sliding_window, sinks, softcap, max_seq_len, key_offset, prefix_keys, prefix_values,
+                         recent_keys, recent_values, recent_from: int, workspace) -> bool:
+    """paged_attention(query, ..., out=out, held=held) with these arguments (absent ones None, recent_from 0) when
+    the caller's held launch serves them (a cache layer's settled one-token step, eager): True once launched, else
+    False and nothing done (call paged_attention). It skips the general path's keyword plumbing through three
+    functions, ~5 us of host time per decode layer step (docs/performance.md)."""
+    attention = held.attention  # (set only where the kernels run, outside compiled regions)
+    if attention is None or torch.compiler.is_compiling():
+        return False
+    signature = _kernels().held_signature(pool, layout, block_table, seq_lens, kv_start, sinks, key_offset,
+                                          prefix_keys, prefix_values, recent_keys, recent_values, workspace,
+                                          max_seq_len, scale, sliding_window, softcap)
+    if not attention.serves(signature, query, out):
+        return False
+    attention.launch(query, out, recent_from)
+    return True
 
 
 # ---- the custom ops (what torch.compile sees) ----------------------------------------------------

@@ -176,7 +176,7 @@ class Twins:
             self.use["kernels"] = path == "kernels"
             cache.update(k, v, 0)
 
-    def decode(self, steps: int = 1) -> None:
+    def decode(self, steps: int = 1, **attention_kwargs) -> None:
         for _ in range(steps):
             rows = self.layer.rows
             q = torch.randn(rows, HEADS, 1, DIM)
@@ -186,7 +186,7 @@ class Twins:
                 self.use["kernels"] = path == "kernels"
                 keys, values = cache.update(k, v, 0)
                 out[path] = turboquant_attention_forward(self.module, q, keys, values, None,
-                                                         scaling=default_scale(DIM))[0]
+                                                         scaling=default_scale(DIM), **attention_kwargs)[0]
             want = out["reference"]
             assert rel_error(out["kernels"], want) <= attention_tolerance(q.dtype, want) + 2e-3
 
@@ -246,6 +246,40 @@ def test_decode_steps_reuse_plans_and_replan_after_cache_events(monkeypatch, hol
     twins.poison(old)
     twins.decode(2)
     assert holds["store"] == holds["attention"] == 5
+
+
+def test_settled_decode_steps_launch_their_held_plans_directly(monkeypatch, holds):
+    """A settled layer's one-token step whose held launches serve it skips the general calls (ops.store,
+    ops.paged_attention and the launchers' keyword plumbing): only steps that plan anew take them (the first, after
+    the pool grows, with a sliding window that the held attention plan lacks), and every step matches the reference
+    path."""
+    twins = Twins(monkeypatch)
+    general = {"store": [], "paged_attention": []}
+    for name, calls in general.items():
+        def counting(*args, _calls=calls, _original=getattr(ops, name), **kwargs):
+            _calls.append(twins.use["kernels"])
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(ops, name, counting)
+
+    def general_calls(name: str) -> int:
+        return general[name].count(True)
+    twins.prefill(2, 40)
+    twins.decode(1)  # (this step also settles what the prefill left open: its calls are not counted)
+    assert holds == {"store": 1, "attention": 1}
+    for calls in general.values():
+        calls.clear()
+    twins.decode(4)
+    assert general_calls("store") == 0, "held stores go straight to their launch"
+    assert general_calls("paged_attention") == 0, "held attention too"
+    assert general["paged_attention"].count(False) == 4, "the reference path has no held launch"
+    twins.decode(9)  # the pool grows past 48 tokens: one step plans anew
+    assert general_calls("store") == holds["store"] - 1 == 1
+    assert general_calls("paged_attention") == holds["attention"] - 1 == 1
+    twins.decode(2, sliding_window=8)  # another attention setting: planned anew once, then held
+    assert general_calls("paged_attention") == holds["attention"] - 1 == 2
+    twins.decode(2)
+    assert general_calls("paged_attention") == holds["attention"] - 1 == 3
+    assert general_calls("store") == holds["store"] - 1 == 1
 
 
 def test_reset_lets_go_of_held_buffers(monkeypatch):

@@ -10,11 +10,11 @@ DeviceTraits: the device as the launch heuristics see it (default: read from the
 LaunchConfig, StoreLaunchConfig: overrides of the launch heuristics, for benchmarks and tests.
 """
 
-from .attention import HeldAttention, plan_attention, unified_attention
+from .attention import HeldAttention, held_signature, plan_attention, unified_attention
 from .history import dense_history_attention, dense_history_serves
 from .device import DeviceTraits, device_traits
 from .launch_config import LaunchConfig, StoreLaunchConfig
-from .store import HeldStore, store_kv
+from .store import HeldStore, store_kv, store_signature
 
-__all__ = ["DeviceTraits", "dense_history_attention", "dense_history_serves", "HeldAttention", "HeldStore", "LaunchConfig", "StoreLaunchConfig", "device_traits",
-           "plan_attention", "store_kv", "unified_attention"]
+__all__ = ["DeviceTraits", "dense_history_attention", "dense_history_serves", "HeldAttention", "HeldStore", "held_signature", "LaunchConfig", "StoreLaunchConfig", "device_traits",
+           "plan_attention", "store_kv", "store_signature", "unified_attention"]

@@ -78,10 +78,9 @@ def unified_attention(
     """
     signature = None
     if held is not None and out is not None:
-        traits = device_traits if device_traits is not None else _traits_of(pool.device)
-        signature = (id(pool), id(layout), id(block_table), id(seq_lens), id(kv_start), id(sinks), id(key_offset),
-                     id(prefix_keys), id(prefix_values), id(recent_keys), id(recent_values), id(workspace),
-                     _split_bound(max_seq_len), scale, sliding_window, softcap, num_splits, launch, traits)
+        signature = held_signature(pool, layout, block_table, seq_lens, kv_start, sinks, key_offset, prefix_keys,
+                                   prefix_values, recent_keys, recent_values, workspace, max_seq_len, scale,
+                                   sliding_window, softcap, num_splits, launch, device_traits)
         if held.serves(signature, query, out):
             return held.launch(query, out, recent_from)
     plan = plan_attention(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap,
@@ -105,6 +104,17 @@ def unified_attention(
                                                                     sinks, key_offset, prefix_keys, prefix_values,
                                                                     recent_keys, recent_values, workspace))
     return out
+
+
+def held_signature(pool, layout, block_table, seq_lens, kv_start, sinks, key_offset, prefix_keys, prefix_values,
+                   recent_keys, recent_values, workspace, max_seq_len, scale, sliding_window, softcap,
+                   num_splits=None, launch=None, device_traits=None) -> tuple:
+    """What a held call must match besides its query and out (unified_attention's arguments but those and
+    recent_from): the tensors by identity, the split bound and the settings."""
+    traits = device_traits if device_traits is not None else _traits_of(pool.device)
+    return (id(pool), id(layout), id(block_table), id(seq_lens), id(kv_start), id(sinks), id(key_offset),
+            id(prefix_keys), id(prefix_values), id(recent_keys), id(recent_values), id(workspace),
+            _split_bound(max_seq_len), scale, sliding_window, softcap, num_splits, launch, traits)
 
 
 class HeldAttention:

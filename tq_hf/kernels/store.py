@@ -384,9 +384,8 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     ring_k, ring_v = recent if recent is not None else (None, None)
     signature = None
     if held is not None:
-        traits = device_traits if device_traits is not None else _traits_of(pool.device)
-        signature = (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens),
-                     id(positions), launch, traits)
+        signature = store_signature(pool, layout, slots, key_offset, ring_k, ring_v, seq_lens, positions, launch,
+                                    device_traits)
         if held.serves(signature, key, value):
             held.launch(key, value, start, slot_shift)
             return
@@ -413,6 +412,15 @@ def store_kv(pool: torch.Tensor, layout: BlockLayout, key: torch.Tensor, value: 
     if signature is not None and holdable_offset(key_offset):
         held.hold(signature, plan, *given, lasting, (pool, layout, slots, key_offset, ring_k, ring_v, seq_lens,
                                                      positions))
+
+
+def store_signature(pool, layout, slots, key_offset, ring_k, ring_v, seq_lens, positions=None, launch=None,
+                    device_traits=None) -> tuple:
+    """What a held store must match besides its key and value (store_kv's arguments but those, start and
+    slot_shift): the tensors by identity and the settings."""
+    traits = device_traits if device_traits is not None else _traits_of(pool.device)
+    return (id(pool), id(layout), id(slots), id(key_offset), id(ring_k), id(ring_v), id(seq_lens), id(positions),
+            launch, traits)
 
 
 def _check_positions(start, slot_shift) -> None:
