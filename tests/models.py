@@ -14,9 +14,9 @@ from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 import tq_hf  # noqa: E402,F401  (registers "turboquant")
 from tq_hf import reference  # noqa: E402
-from tq_hf.cache import exact_sliding_windows  # noqa: E402
+from tq_hf.cache import chunk_history_room, exact_sliding_windows  # noqa: E402
 from tq_hf.config import TurboQuantConfig  # noqa: E402
-from tq_hf.layout import value_planes  # noqa: E402
+from tq_hf.layout import BlockLayout, value_planes  # noqa: E402
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine thread hand-offs
 # made each forward ~100x slower (12.6 s vs 0.1 s for one 10-token generate).
@@ -121,7 +121,8 @@ class FakeQuantLayer(DynamicLayer):
     a non-empty history, the W positions before it and its own tokens). A first prefill in "exact" mode
     attends over its own K/V. A forward of several tokens right after others (a run of such forwards, unbroken by a
     one-token forward, a crop or a row change) attends the last chunk_history_tokens positions the run brought
-    as they came (the model's dtype) instead of the ring's, once they are at least the ring's W.
+    as they came (the model's dtype) instead of the ring's, once they are at least the ring's W; with
+    chunk_history_tokens=None, the last chunk_history_room positions that the run's later forwards brought.
 
     The means (the spec, independent of cache.py): each row's real positions [kv_start, kv_start + W)
     that have arrived (W = recent_window), whatever forwards they came in; without a ring (W = 0), the real
@@ -135,7 +136,7 @@ class FakeQuantLayer(DynamicLayer):
         self.key_offset = None
         self.recent_from = 0
         self.settles_means = cfg.recent_window > 0
-        self.run = None  # (first, end) positions of the current run of forwards of several tokens
+        self.run = None  # (first, end, end of its first forward): the current run of forwards of several tokens
 
     def update(self, key_states, value_states, *args, **kwargs):
         start = self.get_seq_length()
@@ -164,13 +165,19 @@ class FakeQuantLayer(DynamicLayer):
         forward_window = start > 0 and new > 1 and self.cfg.prefill_attention == "exact"
         exact_from = None  # where the run's exact tokens begin, when this forward attends them
         if new > 1 and self.run is not None and self.run[1] == start:
-            size = self.cfg.chunk_history_tokens
-            history = min(size, start - self.run[0])
+            size, run_first = self.cfg.chunk_history_tokens, self.run[0]
+            if size is None:  # the spec's room (what keeps the layer within a dense layer's bytes), from the run's
+                # second forward on
+                layout = BlockLayout(self.cfg, keys.shape[1], keys.shape[3])
+                size = chunk_history_room(layout, start, self.cfg.exact_dtype_for(keys.dtype).itemsize,
+                                          keys.element_size())
+                run_first = self.run[2]
+            history = min(size, start - run_first)
             if forward_window and size > self.cfg.recent_window and history >= max(self.cfg.recent_window, 1):
                 exact_from = start - history
-            self.run = (self.run[0], start + new)
+            self.run = (self.run[0], start + new, self.run[2])
         else:
-            self.run = (start, start + new) if new > 1 else None
+            self.run = (start, start + new, start + new) if new > 1 else None
         lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
         if self.cfg.recent_window or forward_window:
             # the ring: int8 records of the tokens as given (recent_format "int8"), or the exact tokens

@@ -289,7 +289,7 @@ def test_pool_is_exact_after_prefill_and_grows_geometrically():
     layer = cache.layers[0]
     block_bytes = BlockLayout(cache.tq_config, HEADS, DIM).block_bytes
     cache.update(*kv(3, 100), 0)
-    assert layer.memory_footprint() == math.ceil(100 / 16) * 3 * block_bytes
+    assert layer.pool_bytes() == math.ceil(100 / 16) * 3 * block_bytes
     reallocations, pool = 0, layer.pool
     for _ in range(400):
         cache.update(*kv(3, 1), 0)

@@ -68,6 +68,43 @@ def test_chunked_prefill_matches_the_oracle_and_keeps_the_first_layer_state(pres
                  atol=ATOL, what="decode after chunks")
 
 
+@pytest.mark.parametrize("chunk", [32, 96])
+def test_the_default_chunk_history_keeps_what_fits_in_a_dense_layers_bytes(chunk):
+    """chunk_history_tokens=None: from a run's second forward on, a layer keeps the run's latest K/V that fit within
+    a dense layer's bytes of its tokens (chunk_history_room), and the next forward attends them exactly. The logits
+    match the oracle fed the same forwards; no layer holding a history exceeds a dense layer's bytes; the history
+    grew past the ring and moved the logits (against chunk_history_tokens=0); one forward keeps none."""
+    model = tiny_model("llama")
+    cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact", exact_dtype="model")
+    assert cfg.chunk_history_tokens is None
+    length = 640  # (past the tiny models' 256 positions: rotary embeddings extend)
+    ids = prompt(length, seed=8)
+    ours, oracle = TurboQuantCache(model.config, tq_config=cfg), FakeQuantCache(model.config, cfg)
+    layer, kept = ours.layers[0], []
+    logits = []
+    with torch.no_grad():
+        for i in range(0, length, chunk):
+            x, pos = ids[:, i : i + chunk], torch.arange(i, min(i + chunk, length))[None]
+            got = model(input_ids=x, position_ids=pos, use_cache=True, **with_cache(ours)).logits
+            want = model(input_ids=x, position_ids=pos, use_cache=True, **with_cache(oracle)).logits
+            assert_close(got, want, atol=ATOL, what=f"the chunk at {i}")
+            logits.append(got)
+            for each in ours.layers:
+                rows, heads, dim = each.rows, each.layout.num_kv_heads, each.layout.head_dim
+                dense = rows * heads * each.length * 2 * dim * 4  # float32 K/V (exact_dtype "model")
+                assert each.chunk_history_bytes() == 0 or each.memory_footprint() <= dense, (i, each.length)
+            kept.append(layer._chunk_history_tokens())
+    assert kept[0] == 0, "a run's first forward keeps none"
+    assert max(kept) > layer.ring_size, f"the history never outgrew the ring: {kept}"
+    cfg_off = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, recent_format="exact", exact_dtype="model",
+                                           chunk_history_tokens=0)
+    off = feed(model, TurboQuantCache(model.config, tq_config=cfg_off), ids, chunk)
+    assert (torch.cat(logits, 1) - off).abs().max() > 100 * ATOL, "the history changed nothing"
+    single = TurboQuantCache(model.config, tq_config=cfg)
+    feed(model, single, ids, None)
+    assert all(each.chunk_history_bytes() == 0 for each in single.layers), "one forward keeps none"
+
+
 @pytest.mark.parametrize("preset", ["3bit", "4bit"])
 def test_chunks_attend_the_tokens_of_earlier_chunks_exactly(preset):
     """With chunk_history_tokens covering the prompt (and an exact ring for its start), every chunk of a chunked
@@ -96,10 +133,11 @@ def test_the_chunk_history_is_transient():
     feed(model, cache, ids[:, :PROMPT], 64)
     layer = cache.layers[0]
     heads, dim = layer.layout.num_kv_heads, layer.layout.head_dim
-    # the forwards' K/V are kept whole: the last 160 positions (40-200) reach into the first chunk, so all four
-    # chunks' 200 tokens stay, keys and values as the model gave them (float32)
-    kept = 2 * PROMPT * heads * dim * 4
+    # the last 160 positions (40-200): the first chunk's last 24 (a trimmed copy) and the later chunks whole, keys
+    # and values as the model gave them (float32)
+    kept = 2 * 160 * heads * dim * 4
     assert layer.chunk_history_bytes() == kept
+    assert [k.shape[2] for k, _ in layer._chunk_history] == [24, 64, 64, 8]
     assert all(x.shape[2] == 160 for x in layer._chunk_history_window())
     assert layer.memory_footprint() == layer.pool_bytes() + layer.exact_side_bytes() + kept
     forced_decode(model, cache, ids, PROMPT, 1)

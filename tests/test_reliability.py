@@ -43,8 +43,10 @@ MODULE = type("Attn", (), {"is_causal": True, "training": False, "num_key_value_
 # The plain model holds no exact ring (recent_window is covered by tests/test_cache.py and test_generate.py).
 PLAIN = dict(prefill_attention="compressed", value_rotation=False, exact_prefix_tokens=0, recent_window=0,
              exact_dtype="model")
+# (no chunk history: the model here reads a forward's older history from the pool; test_multi_token_forwards' oracle
+# covers the history)
 FIDELITY = dict(key_centering=True, value_rotation=True, exact_prefix_tokens=2, recent_window=0,
-                prefill_attention="exact", exact_dtype="model")
+                prefill_attention="exact", exact_dtype="model", chunk_history_tokens=0)
 
 
 def llama_config() -> LlamaConfig:
@@ -315,7 +317,11 @@ class CacheMachine(RuleBasedStateMachine):
             assert live.numel() == 0 or (live.min() >= 0 and live.max() < layer.pool.shape[0])
             assert layer.seq_lens.cpu().tolist() == [layer.length] * layer.rows
             prefix = 0 if layer.prefix_keys is None else 2 * layer.prefix_keys.nbytes
-            assert layer.memory_footprint() == layer.pool.nbytes + prefix
+            history = layer.chunk_history_bytes()  # (chunk_history_tokens=None: within a dense layer's bytes)
+            assert layer.memory_footprint() == layer.pool.nbytes + prefix + history
+            dense = layer.rows * layer.layout.num_kv_heads * layer.length * 2 * layer.layout.head_dim \
+                * layer.exact_dtype.itemsize
+            assert history == 0 or layer.memory_footprint() <= dense, f"layer {i}: a history past dense bytes"
             # no leak: the pool never exceeds the largest batch x the longest rows since reset, plus growth slack
             self.peak_rows = max(self.peak_rows, layer.rows)
             self.peak_blocks = max(self.peak_blocks, need)

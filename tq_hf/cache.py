@@ -52,6 +52,9 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # DynamicLayer.crop: a positive count kept that many tokens until transformers 5.18, which refuses it
 POSITIVE_CROP_RAISES = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 18)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/query dtypes the kernels take
+# chunk_history_tokens=None keeps up to this many (SmolLM2, 8 prompts of 1000 tokens in chunks of 32 or 256: decode KL
+# 1.07-1.18x one prefill's for k3v4 and 3bit with 512, 1.21-1.34x with the ring's 128 alone; docs/performance.md)
+AUTO_CHUNK_HISTORY_TOKENS = 512
 
 
 def min_growth_blocks(block_size: int) -> int:
@@ -59,27 +62,40 @@ def min_growth_blocks(block_size: int) -> int:
     return -(-MIN_GROWTH_TOKENS // block_size)
 
 
-def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
-    """The least tokens per row from which a compressed layer never holds more bytes than a dense layer of the same
-    tokens in a dtype of `element_bytes` (compress_from_tokens=None): its pool (whole blocks, plus the growth slack
-    of _reserve) and its exact prefix and ring, against 2 * head_dim * element_bytes per token and KV head."""
+def _compressed_excess(layout: BlockLayout, element_bytes: int, n: int) -> float:
+    """Bytes per row and KV head by which a compressed layer of n tokens may exceed a dense layer of the same tokens
+    in a dtype of `element_bytes` (negative: it holds less): its pool (whole blocks, plus the growth slack of
+    _reserve, at most) and its exact prefix and ring, against 2 * head_dim * element_bytes per token. Falls as n
+    grows (every term's slope is below a dense token's)."""
     cfg, t, dim = layout.config, layout.block_size, layout.head_dim
     dense_token = 2 * dim * element_bytes
     ring_token = 2 * ring_record_bytes(dim) if cfg.ring_records else dense_token
     side = cfg.exact_prefix_tokens * dense_token + cfg.recent_window * ring_token
     slack = min_growth_blocks(t) - 1  # blocks past the needed ones a pool may hold (besides capacity / GROWTH_DIVISOR)
+    blocks = n / t + 1 + max(slack, n / (t * GROWTH_DIVISOR))
+    return blocks * layout.plane_bytes + side - n * dense_token
 
-    def excess(n: int) -> float:  # falls as n grows (every term's slope is below dense_token)
-        blocks = n / t + 1 + max(slack, n / (t * GROWTH_DIVISOR))
-        return blocks * layout.plane_bytes + side - n * dense_token
 
-    if layout.plane_bytes * (1 + 1 / GROWTH_DIVISOR) >= t * dense_token:
+def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
+    """The least tokens per row from which a compressed layer never holds more bytes than a dense layer of the same
+    tokens in a dtype of `element_bytes` (compress_from_tokens=None; _compressed_excess)."""
+    cfg, t = layout.config, layout.block_size
+    if layout.plane_bytes * (1 + 1 / GROWTH_DIVISOR) >= t * 2 * layout.head_dim * element_bytes:
         raise ValueError(f"a {cfg.key_bits}/{cfg.value_bits}-bit block of {t} tokens is not smaller than the same "
                          f"tokens at {element_bytes} bytes per element: compressing never saves memory")
     n = 0
-    while excess(n) > 0:
+    while _compressed_excess(layout, element_bytes, n) > 0:
         n += 1
     return n
+
+
+def chunk_history_room(layout: BlockLayout, tokens: int, element_bytes: int, history_bytes: int) -> int:
+    """Tokens per row of chunk history (chunk_history_tokens=None: at most AUTO_CHUNK_HISTORY_TOKENS) a compressed
+    layer of `tokens` tokens per row keeps while it holds no more than a dense layer of those tokens at
+    `element_bytes` per element (exact_dtype's): what _compressed_excess leaves, at `history_bytes` per element (the
+    model's dtype, in which the history is kept)."""
+    room = -_compressed_excess(layout, element_bytes, tokens) // (2 * layout.head_dim * history_bytes)
+    return int(min(AUTO_CHUNK_HISTORY_TOKENS, max(0, room)))
 
 
 class TurboQuantCacheFullError(RuntimeError):
@@ -317,7 +333,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self._reserve(start + 1)
         self._store_step(key_states, value_states, start)
         self._length = start + 1
-        if self._chunk_history:
+        if self._chunk_history_end >= 0:
             self._drop_chunk_history()
         setattr(key_states, STEP_ATTRIBUTE, self._decode_step)
         return key_states, value_states
@@ -659,10 +675,11 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _window_history(self, start: int | torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The history positions a forward window holds before `start`, keys and values in position order: the
-        chunk history when this forward of several tokens follows the ones that kept it (and it holds at least
-        the ring's tokens), else the ring's W positions (decoded records); None without a ring."""
+        chunk history when this forward of several tokens follows the ones that kept it (and it may hold more than
+        the ring's W tokens and holds at least W), else the ring's W positions (decoded records); None without a
+        ring."""
         if (new > 1 and self._chunk_history and type(start) is int and start == self._chunk_history_end
-                and self._chunk_history_tokens() >= self.ring_size):
+                and self._chunk_history_size > self.ring_size and self._chunk_history_tokens() >= self.ring_size):
             return self._chunk_history_window()
         if self.recent_keys is None:
             return None
@@ -674,32 +691,46 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
-        """After an eager forward of several tokens, keep its K/V (by reference where they own their storage) with
-        those of the forwards of several tokens right before it, up to chunk_history_tokens, for a next such
-        forward; anything else drops them. A fixed-capacity layer keeps none (its memory is allocated up front)."""
-        size, new = self.layout.config.chunk_history_tokens, key_states.shape[2]
-        if new == 1 or dense or size <= self.ring_size or self.max_cache_len is not None:
+        """After an eager forward of several tokens, keep the last chunk_history_tokens of the K/V of the run of such
+        forwards it ends (by reference where they own their storage; the oldest piece trimmed), for a next such
+        forward; anything else drops them. A fixed-capacity layer keeps none (its memory is allocated up front).
+        With chunk_history_tokens=None a run's first forward keeps none (a prompt prefilled whole, or a chat turn
+        that decode steps follow, would hold them for nothing) and later ones what fits (chunk_history_room, which
+        grows by less than a token per token, so a history once short of it still holds what a later forward may)."""
+        new, size = key_states.shape[2], self.layout.config.chunk_history_tokens
+        if size is None:
+            follows = start == self._chunk_history_end
+            size = chunk_history_room(self.layout, start + new, self.exact_dtype.itemsize,
+                                      key_states.element_size()) if follows else 0
+        elif size <= self.ring_size:
+            size = -1  # never read (the ring holds as many): nothing kept
+        if (new == 1 or dense or size < 0 or self.max_cache_len is not None
+                or self.layout.config.prefill_attention != "exact"):  # (then no forward attends its window)
             self._drop_chunk_history()
             return
         pieces = self._chunk_history if start == self._chunk_history_end else []
-        pieces.append(tuple(_own_storage(x[:, :, -size:]) for x in (key_states, value_states)))
-        while sum(k.shape[2] for k, _ in pieces[1:]) >= size:  # the oldest piece is no longer needed
-            pieces.pop(0)
-        self._chunk_history, self._chunk_history_end = pieces, start + new
+        pieces.append((key_states, value_states))
+        kept, count = [], 0  # the last `size` tokens: newest pieces first
+        for k, v in reversed(pieces if size else ()):
+            take = min(k.shape[2], size - count)
+            if take == 0:
+                break
+            kept.append(tuple(_own_storage(x[:, :, -take:]) for x in (k, v)))
+            count += take
+        self._chunk_history, self._chunk_history_end, self._chunk_history_size = kept[::-1], start + new, size
 
     def _chunk_history_window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept history's last chunk_history_tokens positions: keys and values [rows, H, T, D] in position
-        order."""
-        size, pieces = self.layout.config.chunk_history_tokens, self._chunk_history
-        return tuple((torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i])[:, :, -size:]
-                     for i in range(2))
+        """The kept history: keys and values [rows, H, T, D] in position order."""
+        pieces = self._chunk_history
+        return tuple(torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i] for i in range(2))
 
     def _chunk_history_tokens(self) -> int:
-        return min(self.layout.config.chunk_history_tokens, sum(k.shape[2] for k, _ in self._chunk_history))
+        return sum(k.shape[2] for k, _ in self._chunk_history)
 
     def _drop_chunk_history(self) -> None:
         self._chunk_history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of each forward, in order
-        self._chunk_history_end = -1  # the position after its last token
+        self._chunk_history_end = -1  # the position after its last token (-1: no run of forwards of several tokens)
+        self._chunk_history_size = 0  # the tokens it may hold (chunk_history_tokens, or the room for them)
 
     def chunk_history_bytes(self) -> int:
         """The K/V kept between forwards of several tokens (chunk_history_tokens; transient)."""

@@ -93,15 +93,20 @@ class TurboQuantConfig:
         While a row's key_centering means settle over several forwards (a prompt fed in chunks shorter than the
         ring), the history those forwards store again comes from the records.
     chunk_history_tokens: a forward of several tokens that follows another such forward (a prompt prefilled in
-        chunks, generate(prefill_chunk_size=...)) attends this many of the latest history tokens exactly, from the
-        earlier forwards' own K/V (in the model's dtype, as a forward's own tokens), besides its own tokens; older
-        history from the pool as decode reads it. Without it a chunk attends the ring's tokens exactly and the rest
-        compressed, and 3-bit keys then move the prompt's later positions: SmolLM2, 8 prompts of 1000 tokens fed in
-        chunks of 32 or 256, decode KL 1.21-1.34x one prefill's for k3v4 and 3bit; 1.07-1.18x with 512
-        (docs/performance.md). Decode never reads it. The cache holds those K/V until the next one-token step, a
-        crop or a change of rows, on top of the pool (memory_footprint counts them): a prompt of a few hundred
-        tokens fed in one forward would hold more than a dense cache until its first decode step, so it is off by
-        default. 0 (default) or at most recent_window: the ring's tokens only.
+        chunks, generate(prefill_chunk_size=...), assisted decoding's verification forwards) attends the latest
+        history tokens exactly, from the earlier forwards' own K/V (in the model's dtype, as a forward's own tokens),
+        besides its own tokens; older history from the pool as decode reads it. Without it a chunk attends the
+        ring's tokens exactly and the rest compressed, and 3-bit keys then move the prompt's later positions:
+        SmolLM2, 8 prompts of 1000 tokens fed in chunks of 32 or 256, decode KL 1.21-1.34x one prefill's for k3v4
+        and 3bit; 1.07-1.18x with 512 (docs/performance.md). Decode never reads it; the layer holds those K/V until
+        the next one-token step, a crop or a change of rows (memory_footprint counts them). None (default): up to
+        512 tokens, kept from a run's second forward on (a prompt fed in one forward keeps none), as many as keep the
+        layer within a dense layer's bytes of its tokens in exact_dtype (tq_hf.cache.chunk_history_room: more than
+        the ring's 128 from 273-471 tokens per row and 512 from 754-1,102 in a 16-bit model at head_dim 128;
+        435-684 and 1,396-1,945 in a float32 model, whose history takes 4 bytes per element), so a cache never holds
+        more than a DynamicCache. An int: that many from a run's first forward, whatever the bytes (a prompt of a
+        few hundred tokens fed in one forward then holds more than a dense cache until its first decode step); 0 or
+        at most recent_window: the ring's tokens only.
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
         "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
         tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
@@ -150,7 +155,7 @@ class TurboQuantConfig:
     exact_prefix_tokens: int = 4
     recent_window: int = 128
     recent_format: str = "auto"
-    chunk_history_tokens: int = 0
+    chunk_history_tokens: int | None = None
     sliding_layers: str = "auto"
     prefill_attention: str = "exact"
     dense_layer_kl: float | None = 0.5
@@ -185,9 +190,10 @@ class TurboQuantConfig:
             )
         if not (type(self.recent_window) is int and 0 <= self.recent_window <= MAX_RECENT_WINDOW):
             raise ValueError(f"recent_window must be an int from 0 to {MAX_RECENT_WINDOW}, got {self.recent_window!r}")
-        if not (type(self.chunk_history_tokens) is int and 0 <= self.chunk_history_tokens <= MAX_RECENT_WINDOW):
-            raise ValueError(f"chunk_history_tokens must be an int from 0 to {MAX_RECENT_WINDOW}, got "
-                             f"{self.chunk_history_tokens!r}")
+        history = self.chunk_history_tokens
+        if history is not None and not (type(history) is int and 0 <= history <= MAX_RECENT_WINDOW):
+            raise ValueError(f"chunk_history_tokens must be None (what fits in a dense cache's bytes) or an int from 0 "
+                             f"to {MAX_RECENT_WINDOW}, got {history!r}")
         kl = self.dense_layer_kl
         if kl is not None and (isinstance(kl, bool) or not isinstance(kl, (int, float)) or not kl > 0):
             raise ValueError(f"dense_layer_kl must be a positive number of nats or None (no check), got {kl!r}")
