@@ -566,9 +566,11 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
         block_t = block_t if launch.block_t is None else launch.block_t
         num_warps = num_warps if launch.num_warps is None else launch.num_warps
     # the ring in programs of its own (StoreLaunchConfig.ring_part): its encoding then runs beside the quantization
-    # instead of before it in the key and value programs. Off until timed: writing int8 records in those programs
-    # took a decode step's store from 8.5 to 11.9 us (B=1, 32/8/128, H200)
-    ring_part = ring_k is not None and launch is not None and bool(launch.ring_part)
+    # instead of before it in the key and value programs. On for a store of one tile (decode steps): B=1, 32/8/128,
+    # H200, 4bit 13.7 -> 11.8 us, B=16 10.5 -> 9.8, k8v4 10.0 -> 9.9 and 8.9 -> 8.6; longer stores are unmeasured
+    ring_default = triton.cdiv(n, block_t) == 1
+    ring_part = ring_k is not None and bool(ring_default if launch is None or launch.ring_part is None
+                                            else launch.ring_part)
     site = None
     if n:
         site = LaunchSite(_store_kernel, (triton.cdiv(n, block_t), layout.num_kv_heads, 3 if ring_part else 2), dict(
