@@ -120,9 +120,11 @@ class FakeQuantLayer(DynamicLayer):
     kv_start[b] + s, s < P), and the exact ring (the last W positions; for a forward of several tokens over
     a non-empty history, the W positions before it and its own tokens). A first prefill in "exact" mode
     attends over its own K/V. A forward of several tokens right after others (a run of such forwards, unbroken by a
-    one-token forward, a crop or a row change) attends the last chunk_history_tokens positions the run brought
-    as they came (the model's dtype) instead of the ring's, once they are at least the ring's W; with
-    chunk_history_tokens=None, the last chunk_history_room positions that the run's later forwards brought.
+    one-token forward, a crop or a row change) attends the positions the run kept instead of the ring's, once they
+    are at least the ring's W: after each forward of the run, the latest min(size, kept before + its tokens), size
+    being chunk_history_tokens, or with None chunk_history_room of the tokens then held (none after the run's first
+    forward); as int8 records where the ring holds records and the model is float32 (their keys centered by the mean
+    of the keys of the run's first forward that kept any), else as they came.
 
     The means (the spec, independent of cache.py): each row's real positions [kv_start, kv_start + W)
     that have arrived (W = recent_window), whatever forwards they came in; without a ring (W = 0), the real
@@ -136,7 +138,9 @@ class FakeQuantLayer(DynamicLayer):
         self.key_offset = None
         self.recent_from = 0
         self.settles_means = cfg.recent_window > 0
-        self.run = None  # (first, end, end of its first forward): the current run of forwards of several tokens
+        # the current run of forwards of several tokens: (first, end, tokens kept after it, what it may keep)
+        self.run = None
+        self.run_offset = None  # int8-record history: the mean of the keys of the run's first forward that kept any
 
     def update(self, key_states, value_states, *args, **kwargs):
         start = self.get_seq_length()
@@ -163,21 +167,24 @@ class FakeQuantLayer(DynamicLayer):
         k = _prefix_from(k, held_k, first_real, self.cfg.exact_prefix_tokens)
         v = _prefix_from(v, held_v, first_real, self.cfg.exact_prefix_tokens)
         forward_window = start > 0 and new > 1 and self.cfg.prefill_attention == "exact"
-        exact_from = None  # where the run's exact tokens begin, when this forward attends them
+        exact_from = None  # where the run's kept tokens begin, when this forward attends them
+        layout = BlockLayout(self.cfg, keys.shape[1], keys.shape[3])
+        room = lambda n: chunk_history_room(layout, n, self.cfg.exact_dtype_for(keys.dtype).itemsize,
+                                            keys.element_size())
+        size = self.cfg.chunk_history_tokens
+        offset = self.run_offset  # (the history this forward reads was kept with it)
         if new > 1 and self.run is not None and self.run[1] == start:
-            size, run_first = self.cfg.chunk_history_tokens, self.run[0]
-            if size is None:  # the spec's room (what keeps the layer within a dense layer's bytes), from the run's
-                # second forward on
-                layout = BlockLayout(self.cfg, keys.shape[1], keys.shape[3])
-                size = chunk_history_room(layout, start, self.cfg.exact_dtype_for(keys.dtype).itemsize,
-                                          keys.element_size())
-                run_first = self.run[2]
-            history = min(size, start - run_first)
-            if forward_window and size > self.cfg.recent_window and history >= max(self.cfg.recent_window, 1):
-                exact_from = start - history
-            self.run = (self.run[0], start + new, self.run[2])
-        else:
-            self.run = (start, start + new, start + new) if new > 1 else None
+            held, size_then = self.run[2], self.run[3]
+            if forward_window and size_then > self.cfg.recent_window and held >= max(self.cfg.recent_window, 1):
+                exact_from = start - held
+            keep = room(start + new) if size is None else size  # the spec's room (within a dense layer's bytes)
+            self.run = (self.run[0], start + new, min(keep, held + new), keep)
+        else:  # a run's first forward: chunk_history_tokens=None keeps none of it
+            keep = 0 if size is None else size
+            self.run = (start, start + new, min(keep, new), keep) if new > 1 else None
+            self.run_offset = None
+        if self.run is not None and self.run[2] > 0 and self.run_offset is None:
+            self.run_offset = key_states.float().mean(2, keepdim=True)
         lo = max(self.recent_from, (start if forward_window else length) - self.cfg.recent_window)
         if self.cfg.recent_window or forward_window:
             # the ring: int8 records of the tokens as given (recent_format "int8"), or the exact tokens
@@ -185,8 +192,11 @@ class FakeQuantLayer(DynamicLayer):
             ring_k, ring_v = ((ring_round_trip(keys[:, :, lo:], mean), ring_round_trip(values[:, :, lo:]))
                               if self.cfg.ring_records else (held_k[:, :, lo:], held_v[:, :, lo:]))
             k[:, :, lo:], v[:, :, lo:] = ring_k, ring_v
-        if exact_from is not None:
-            k[:, :, exact_from:start], v[:, :, exact_from:start] = keys[:, :, exact_from:start], values[:, :, exact_from:start]
+        if exact_from is not None:  # the run's kept history
+            hist_k, hist_v = keys[:, :, exact_from:start], values[:, :, exact_from:start]
+            if self.cfg.ring_records and keys.element_size() > 2:  # (int8 records for a float32 model's history)
+                hist_k, hist_v = ring_round_trip(hist_k, offset), ring_round_trip(hist_v)
+            k[:, :, exact_from:start], v[:, :, exact_from:start] = hist_k, hist_v
         if forward_window:
             k[:, :, start:], v[:, :, start:] = keys[:, :, start:], values[:, :, start:]
         if start == 0 and self.cfg.prefill_attention == "exact":

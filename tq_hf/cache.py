@@ -92,10 +92,26 @@ def break_even_tokens(layout: BlockLayout, element_bytes: int) -> int:
 def chunk_history_room(layout: BlockLayout, tokens: int, element_bytes: int, history_bytes: int) -> int:
     """Tokens per row of chunk history (chunk_history_tokens=None: at most AUTO_CHUNK_HISTORY_TOKENS) a compressed
     layer of `tokens` tokens per row keeps while it holds no more than a dense layer of those tokens at
-    `element_bytes` per element (exact_dtype's): what _compressed_excess leaves, at `history_bytes` per element (the
-    model's dtype, in which the history is kept)."""
-    room = -_compressed_excess(layout, element_bytes, tokens) // (2 * layout.head_dim * history_bytes)
+    `element_bytes` per element (exact_dtype's): what _compressed_excess leaves, for the history as the layer keeps
+    it (history_vector_bytes; `history_bytes`: the model dtype's element size)."""
+    vector, fixed = history_vector_bytes(layout, history_bytes)
+    room = (-_compressed_excess(layout, element_bytes, tokens) - fixed) // (2 * vector)
     return int(min(AUTO_CHUNK_HISTORY_TOKENS, max(0, room)))
+
+
+def history_as_records(layout: BlockLayout, history_bytes: int) -> bool:
+    """Whether a layer keeps its chunk history as int8 records (their keys centered by one fp32 vector per row and
+    head): where the ring holds records and the model's dtype takes 4 bytes, so the records multiply the history's
+    room by 3.6 at head_dim 128. In a 16-bit model (1.8x) they measured no better than the exact history and cost
+    more operators per forward (docs/performance.md)."""
+    return layout.config.ring_records and history_bytes > 2
+
+
+def history_vector_bytes(layout: BlockLayout, history_bytes: int) -> tuple[int, int]:
+    """(bytes of one kept key or value vector, bytes per row and KV head besides) of the chunk history of a model
+    whose dtype takes `history_bytes` per element (history_as_records)."""
+    d = layout.head_dim
+    return (ring_record_bytes(d), 4 * d) if history_as_records(layout, history_bytes) else (d * history_bytes, 0)
 
 
 class TurboQuantCacheFullError(RuntimeError):
@@ -692,11 +708,11 @@ class TurboQuantLayer(CacheLayerMixin):
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
         """After an eager forward of several tokens, keep the last chunk_history_tokens of the K/V of the run of such
-        forwards it ends (by reference where they own their storage; the oldest piece trimmed), for a next such
-        forward; anything else drops them. A fixed-capacity layer keeps none (its memory is allocated up front).
-        With chunk_history_tokens=None a run's first forward keeps none (a prompt prefilled whole, or a chat turn
-        that decode steps follow, would hold them for nothing) and later ones what fits (chunk_history_room, which
-        grows by less than a token per token, so a history once short of it still holds what a later forward may)."""
+        forwards it ends (as int8 records where history_as_records, else by reference where they own their storage;
+        the oldest piece trimmed), for a next such forward; anything else drops them. A fixed-capacity layer keeps none
+        (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a prompt
+        prefilled whole, or a chat turn that decode steps follow, would hold them for nothing) and later ones what
+        fits (chunk_history_room of the tokens then held): at most what the run kept before plus their own tokens."""
         new, size = key_states.shape[2], self.layout.config.chunk_history_tokens
         if size is None:
             follows = start == self._chunk_history_end
@@ -708,8 +724,15 @@ class TurboQuantLayer(CacheLayerMixin):
                 or self.layout.config.prefill_attention != "exact"):  # (then no forward attends its window)
             self._drop_chunk_history()
             return
-        pieces = self._chunk_history if start == self._chunk_history_end else []
-        pieces.append((key_states, value_states))
+        follows = start == self._chunk_history_end
+        pieces = self._chunk_history if follows else []
+        offset = self._chunk_history_offset if follows else None
+        if size and history_as_records(self.layout, key_states.element_size()):  # int8 records, the keys centered
+            # by the mean of the run's first kept forward (one vector per row and head for the whole run)
+            offset = key_states.float().mean(2, keepdim=True) if offset is None else offset
+            pieces.append((reference.encode_ring(key_states, offset), reference.encode_ring(value_states)))
+        else:
+            pieces.append((key_states, value_states))
         kept, count = [], 0  # the last `size` tokens: newest pieces first
         for k, v in reversed(pieces if size else ()):
             take = min(k.shape[2], size - count)
@@ -718,11 +741,15 @@ class TurboQuantLayer(CacheLayerMixin):
             kept.append(tuple(_own_storage(x[:, :, -take:]) for x in (k, v)))
             count += take
         self._chunk_history, self._chunk_history_end, self._chunk_history_size = kept[::-1], start + new, size
+        self._chunk_history_offset = offset if kept else None
 
     def _chunk_history_window(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kept history: keys and values [rows, H, T, D] in position order."""
+        """The kept history: keys and values [rows, H, T, D] in position order (records decoded, in fp32)."""
         pieces = self._chunk_history
-        return tuple(torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i] for i in range(2))
+        keys, values = (torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i] for i in range(2))
+        if keys.dtype == torch.int8:
+            return reference.decode_ring(keys, self._chunk_history_offset), reference.decode_ring(values)
+        return keys, values
 
     def _chunk_history_tokens(self) -> int:
         return sum(k.shape[2] for k, _ in self._chunk_history)
@@ -731,10 +758,12 @@ class TurboQuantLayer(CacheLayerMixin):
         self._chunk_history: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of each forward, in order
         self._chunk_history_end = -1  # the position after its last token (-1: no run of forwards of several tokens)
         self._chunk_history_size = 0  # the tokens it may hold (chunk_history_tokens, or the room for them)
+        self._chunk_history_offset: torch.Tensor | None = None  # records: the keys' centering [rows, H, 1, D] fp32
 
     def chunk_history_bytes(self) -> int:
         """The K/V kept between forwards of several tokens (chunk_history_tokens; transient)."""
-        return _bytes(self._chunk_history)
+        offset = self._chunk_history_offset
+        return _bytes(self._chunk_history) + (0 if offset is None else offset.numel() * offset.element_size())
 
     def fill_prefix(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Copy the new tokens that are among each row's first P real tokens into the exact prefix.

@@ -94,17 +94,18 @@ class TurboQuantConfig:
         ring), the history those forwards store again comes from the records.
     chunk_history_tokens: a forward of several tokens that follows another such forward (a prompt prefilled in
         chunks, generate(prefill_chunk_size=...), assisted decoding's verification forwards) attends the latest
-        history tokens exactly, from the earlier forwards' own K/V (in the model's dtype, as a forward's own tokens),
-        besides its own tokens; older history from the pool as decode reads it. Without it a chunk attends the
+        history tokens from the earlier forwards' own K/V (in the model's dtype; int8 records, their keys centered by
+        a mean of their own, for a float32 model whose ring holds records: tq_hf.cache.history_as_records), besides
+        its own tokens; older history from the pool as decode reads it. Without it a chunk attends the
         ring's tokens exactly and the rest compressed, and 3-bit keys then move the prompt's later positions:
         SmolLM2, 8 prompts of 1000 tokens fed in chunks of 32 or 256, decode KL 1.21-1.34x one prefill's for k3v4
         and 3bit; 1.07-1.18x with 512 (docs/performance.md). Decode never reads it; the layer holds those K/V until
         the next one-token step, a crop or a change of rows (memory_footprint counts them). None (default): up to
         512 tokens, kept from a run's second forward on (a prompt fed in one forward keeps none), as many as keep the
-        layer within a dense layer's bytes of its tokens in exact_dtype (tq_hf.cache.chunk_history_room: more than
-        the ring's 128 from 273-471 tokens per row and 512 from 754-1,102 in a 16-bit model at head_dim 128;
-        435-684 and 1,396-1,945 in a float32 model, whose history takes 4 bytes per element), so a cache never holds
-        more than a DynamicCache. An int: that many from a run's first forward, whatever the bytes (a prompt of a
+        layer within a dense layer's bytes of its tokens in exact_dtype (tq_hf.cache.chunk_history_room: at head_dim
+        128, more than the ring's 128 from 273-471 tokens per row and 512 from 754-1,102 in a 16-bit model; in a
+        float32 one 204-227 and 474-520 for the codebook presets' records, 684 and 1,945 for k8v4), so a cache never
+        holds more than a DynamicCache. An int: that many from a run's first forward, whatever the bytes (a prompt of a
         few hundred tokens fed in one forward then holds more than a dense cache until its first decode step); 0 or
         at most recent_window: the ring's tokens only.
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
