@@ -709,13 +709,13 @@ class TurboQuantLayer(CacheLayerMixin):
                             dense: bool) -> None:
         """After an eager forward of several tokens, keep the last chunk_history_tokens of the K/V of the run of such
         forwards it ends (as int8 records where history_as_records, else by reference where they own their storage;
-        the oldest piece trimmed), for a next such forward; anything else drops them. A fixed-capacity layer keeps none
-        (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a prompt
+        the oldest piece trimmed), for a next such forward; anything else drops them. A fixed-capacity layer keeps
+        none (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a prompt
         prefilled whole, or a chat turn that decode steps follow, would hold them for nothing) and later ones what
         fits (chunk_history_room of the tokens then held): at most what the run kept before plus their own tokens."""
         new, size = key_states.shape[2], self.layout.config.chunk_history_tokens
+        follows = start == self._chunk_history_end
         if size is None:
-            follows = start == self._chunk_history_end
             size = chunk_history_room(self.layout, start + new, self.exact_dtype.itemsize,
                                       key_states.element_size()) if follows else 0
         elif size <= self.ring_size:
@@ -724,7 +724,6 @@ class TurboQuantLayer(CacheLayerMixin):
                 or self.layout.config.prefill_attention != "exact"):  # (then no forward attends its window)
             self._drop_chunk_history()
             return
-        follows = start == self._chunk_history_end
         pieces = self._chunk_history if follows else []
         offset = self._chunk_history_offset if follows else None
         if size and history_as_records(self.layout, key_states.element_size()):  # int8 records, the keys centered
