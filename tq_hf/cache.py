@@ -710,9 +710,9 @@ class TurboQuantLayer(CacheLayerMixin):
         """After an eager forward of several tokens, keep the last chunk_history_tokens of the K/V of the run of such
         forwards it ends (as int8 records where history_as_records, else by reference where they own their storage;
         the oldest piece trimmed), for a next such forward; anything else drops them. A fixed-capacity layer keeps
-        none (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a prompt
-        prefilled whole, or a chat turn that decode steps follow, would hold them for nothing) and later ones what
-        fits (chunk_history_room of the tokens then held): at most what the run kept before plus their own tokens."""
+        none (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a
+        prompt prefilled whole, or a chat turn that decode steps follow, would hold them for nothing) and later ones
+        what fits (chunk_history_room of the tokens then held): at most what the run kept before plus their own."""
         new, size = key_states.shape[2], self.layout.config.chunk_history_tokens
         follows = start == self._chunk_history_end
         if size is None:
