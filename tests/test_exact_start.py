@@ -2,13 +2,15 @@
 saves memory a layer holds its tokens as DynamicCache does; the forward that takes it past that length hands the
 whole history to a TurboQuantLayer as one first update."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
-from tests.models import tiny_model, with_cache
+from tests.models import FakeQuantCache, tiny_model, with_cache
 from tq_hf import TurboQuantCache, TurboQuantConfig
-from tq_hf.cache import ExactStartLayer, TurboQuantLayer, break_even_tokens
+from tq_hf.cache import ExactStartLayer, TurboQuantLayer, break_even_tokens, chunk_history_room
 from tq_hf.layout import BlockLayout
 
 pytestmark = pytest.mark.exact_start
@@ -190,3 +192,34 @@ def test_check_at_the_onset_gives_fp8_keys():
     assert isinstance(cache.layers[0], ExactStartLayer)
     forward(model, ids[:, 40:], cache)
     assert cache.fp8_keys_by_check == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunks_past_the_exact_start_attend_its_tokens_exactly(dtype):
+    """The forward that leaves the exact start brings the exact start's tokens in the compressed layer's first
+    update: with chunk_history_tokens=None the layer keeps the latest that fit within a dense layer's bytes
+    (chunk_history_room; the cache stays within a DynamicCache's), as the exact start held them (DynamicCache's K/V), and the next chunk attends them as the
+    oracle does a history of as many tokens kept by a first forward of the same tokens. A prompt fed in one forward
+    keeps none."""
+    model = tiny_model("llama", dtype=dtype)
+    cfg = small_config(compress_from_tokens=96)
+    ids = torch.randint(3, 90, (2, 160))
+    ours, dense = TurboQuantCache(model.config, tq_config=cfg), DynamicCache()
+    for cache in (ours, dense):
+        for i in range(0, 128, 32):
+            forward(model, ids[:, i : i + 32], cache)
+    kept = min(128, chunk_history_room(ours.layers[0].layout, 128, dtype.itemsize, dtype.itemsize))
+    assert ours.memory_footprint() <= dense_bytes(ours, dtype.itemsize)
+    for i, layer in enumerate(ours.layers):  # after the handover (the chunk at 96-128): every K/V from exact attention
+        assert isinstance(layer, TurboQuantLayer) and layer.ring_size < kept == layer._chunk_history_tokens(), i
+        for got, want in zip(layer._chunk_history_window(), (dense.layers[i].keys, dense.layers[i].values)):
+            torch.testing.assert_close(got, want[:, :, 128 - kept :], atol=1e-5 if dtype == torch.float32 else 2e-2,
+                                       rtol=0)
+    if dtype == torch.float32:  # (the oracle's float32 semantics)
+        oracle = FakeQuantCache(model.config, dataclasses.replace(cfg, chunk_history_tokens=kept))
+        forward(model, ids[:, :128], oracle)
+        torch.testing.assert_close(forward(model, ids[:, 128:], ours), forward(model, ids[:, 128:], oracle),
+                                   atol=1e-4, rtol=0)
+    one = TurboQuantCache(model.config, tq_config=cfg)
+    forward(model, ids, one)
+    assert all(layer.chunk_history_bytes() == 0 for layer in one.layers)

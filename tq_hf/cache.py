@@ -711,8 +711,9 @@ class TurboQuantLayer(CacheLayerMixin):
         forwards it ends (as int8 records where history_as_records, else by reference where they own their storage;
         the oldest piece trimmed), for a next such forward; anything else drops them. A fixed-capacity layer keeps
         none (its memory is allocated up front). With chunk_history_tokens=None a run's first forward keeps none (a
-        prompt prefilled whole, or a chat turn that decode steps follow, would hold them for nothing) and later ones
-        what fits (chunk_history_room of the tokens then held): at most what the run kept before plus their own."""
+        prompt prefilled whole, or a chat turn that decode steps follow, would hold them for nothing), unless it
+        leaves an exact start (continue_run), and later ones what fits (chunk_history_room of the tokens then held):
+        at most what the run kept before plus their own."""
         new, size = key_states.shape[2], self.layout.config.chunk_history_tokens
         follows = start == self._chunk_history_end
         if size is None:
@@ -729,7 +730,9 @@ class TurboQuantLayer(CacheLayerMixin):
         if size and history_as_records(self.layout, key_states.element_size()):  # int8 records, the keys centered
             # by the mean of the run's first kept forward (one vector per row and head for the whole run)
             offset = key_states.float().mean(2, keepdim=True) if offset is None else offset
-            pieces.append((reference.encode_ring(key_states, offset), reference.encode_ring(value_states)))
+            last = slice(max(0, new - size), new)  # (records of tokens the trim below would drop are never made)
+            pieces.append((reference.encode_ring(key_states[:, :, last], offset),
+                           reference.encode_ring(value_states[:, :, last])))
         else:
             pieces.append((key_states, value_states))
         kept, count = [], 0  # the last `size` tokens: newest pieces first
@@ -741,6 +744,12 @@ class TurboQuantLayer(CacheLayerMixin):
             count += take
         self._chunk_history, self._chunk_history_end, self._chunk_history_size = kept[::-1], start + new, size
         self._chunk_history_offset = offset if kept else None
+
+    def continue_run(self) -> None:
+        """The next update, a first one, brings the tokens of an exact start's forwards with its own: it keeps them
+        as chunk history as a later forward of a run keeps the run's (with chunk_history_tokens=None, what fits),
+        so a prompt fed in chunks attends them exactly past the exact start too."""
+        self._chunk_history_end = 0
 
     def _chunk_history_window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The kept history: keys and values [rows, H, T, D] in position order (records decoded, in fp32)."""
@@ -1105,10 +1114,12 @@ class TurboQuantCache(Cache):
         and the new tokens as one first update (so padding, centering means, prefix, ring and the per-layer check
         are settled as at any first prefill, the new tokens' queries attending at the end)."""
         start = self.layers[layer_idx]
+        layer = self._compressed_layer(layer_idx)
         if start.get_seq_length():
             key_states = torch.cat([start.keys.to(key_states.dtype), key_states], dim=2)
             value_states = torch.cat([start.values.to(value_states.dtype), value_states], dim=2)
-        layer = self.layers[layer_idx] = self._compressed_layer(layer_idx)
+            layer.continue_run()
+        self.layers[layer_idx] = layer
         return layer.update(key_states, value_states, dense=not self.attends_compressed)
 
     def reset(self) -> None:
