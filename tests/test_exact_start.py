@@ -198,9 +198,9 @@ def test_check_at_the_onset_gives_fp8_keys():
 def test_chunks_past_the_exact_start_attend_its_tokens_exactly(dtype):
     """The forward that leaves the exact start brings the exact start's tokens in the compressed layer's first
     update: with chunk_history_tokens=None the layer keeps the latest that fit within a dense layer's bytes
-    (chunk_history_room; the cache stays within a DynamicCache's), as the exact start held them (DynamicCache's K/V), and the next chunk attends them as the
-    oracle does a history of as many tokens kept by a first forward of the same tokens. A prompt fed in one forward
-    keeps none."""
+    (chunk_history_room; the cache stays within a DynamicCache's), as the exact start held them (DynamicCache's
+    K/V), and the next chunk attends them as the oracle does a history of as many tokens kept by a first forward of
+    the same tokens. A prompt fed in one forward keeps none."""
     model = tiny_model("llama", dtype=dtype)
     cfg = small_config(compress_from_tokens=96)
     ids = torch.randint(3, 90, (2, 160))

@@ -96,19 +96,19 @@ class TurboQuantConfig:
         chunks, generate(prefill_chunk_size=...), assisted decoding's verification forwards) attends the latest
         history tokens from the earlier forwards' own K/V (in the model's dtype; int8 records, their keys centered by
         a mean of their own, for a float32 model whose ring holds records: tq_hf.cache.history_as_records), besides
-        its own tokens; older history from the pool as decode reads it. Without it a chunk attends the
-        ring's tokens exactly and the rest compressed, and 3-bit keys then move the prompt's later positions:
-        SmolLM2, 8 prompts of 1000 tokens fed in chunks of 32 or 256, decode KL 1.21-1.34x one prefill's for k3v4
-        and 3bit; 1.07-1.18x with 512 (docs/performance.md). Decode never reads it; the layer holds those K/V until
-        the next one-token step, a crop or a change of rows (memory_footprint counts them). None (default): up to
-        512 tokens, kept from a run's second forward on (a prompt fed in one forward keeps none), or from the forward
-        that leaves the exact start (compress_from_tokens) with the exact start's tokens, as many as keep the layer
-        within a dense layer's bytes of its tokens in exact_dtype (tq_hf.cache.chunk_history_room: at head_dim 128,
-        more than the ring's 128 from 273-471 tokens per row and 512 from 754-1,102 in a 16-bit model; in a float32
-        one 204-227 and 474-520 for the codebook presets' records, 684 and 1,945 for k8v4), so a cache never holds
-        more than a DynamicCache. An int: that many from a run's first forward, whatever the bytes (a prompt of a
-        few hundred tokens fed in one forward then holds more than a dense cache until its first decode step); 0 or
-        at most recent_window: the ring's tokens only.
+        its own tokens; older history from the pool as decode reads it. Without it a chunk attends the ring's tokens
+        exactly and the rest compressed, and 3-bit keys then move the prompt's later positions: SmolLM2 in float32, 8
+        prompts of 1000 tokens fed in chunks of 32 or 256, decode KL 1.21-1.34x one prefill's for k3v4 and 3bit;
+        1.07-1.17x with the default (docs/performance.md). Decode never reads it; the layer holds those K/V until the
+        next one-token step, a crop or a change of rows (memory_footprint counts them). None (default): up to 512
+        tokens, kept from a run's second forward on (a prompt fed in one forward keeps none), or from the forward that
+        leaves the exact start (compress_from_tokens) with the exact start's tokens, as many as keep the layer within a
+        dense layer's bytes of its tokens in exact_dtype (tq_hf.cache.chunk_history_room: at head_dim 128, more than the
+        ring's 128 from 273-471 tokens per row and 512 from 754-1,102 in a 16-bit model; in a float32 one 204-227 and
+        474-520 for the codebook presets' records, 684 and 1,945 for k8v4), so a cache never holds more than a
+        DynamicCache. An int: that many from a run's first forward, whatever the bytes (a prompt of a few hundred tokens
+        fed in one forward then holds more than a dense cache until its first decode step); 0 or at most recent_window:
+        the ring's tokens only.
     sliding_layers: what sliding-window layers (Gemma 2/3, gpt-oss, Mistral's window) keep.
         "auto" (default): "compressed" for windows of at least SLIDING_COMPRESS_MIN_WINDOW (4096)
         tokens (Mistral-7B-v0.1, Starcoder2, windows longer than the context), else "exact".
