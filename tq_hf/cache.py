@@ -755,9 +755,7 @@ class TurboQuantLayer(CacheLayerMixin):
         """The kept history: keys and values [rows, H, T, D] in position order (records decoded, in fp32)."""
         pieces = self._chunk_history
         keys, values = (torch.cat([p[i] for p in pieces], 2) if len(pieces) > 1 else pieces[0][i] for i in range(2))
-        if keys.dtype == torch.int8:
-            return reference.decode_ring(keys, self._chunk_history_offset), reference.decode_ring(values)
-        return keys, values
+        return reference.ring_vectors(keys, self._chunk_history_offset), reference.ring_vectors(values)
 
     def _chunk_history_tokens(self) -> int:
         return sum(k.shape[2] for k, _ in self._chunk_history)
