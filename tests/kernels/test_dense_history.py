@@ -9,6 +9,8 @@ from the wrong place shows.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -118,6 +120,53 @@ def test_rows_in_groups_and_per_row_means(monkeypatch):
     _check("4bit", 64, 3, 40, 10, 2, torch.float32, prefix_len=3, recent=(16, 0), per_row_offset=True)
 
 
+def test_one_sdpa_call_where_the_history_is_not_split(monkeypatch):
+    """The route a GPU takes for forwards too few to fill it: one SDPA call with the causal mask at the bottom right."""
+    monkeypatch.setattr(history, "splits_history", lambda *a: False)
+    _check("4bit", 64, 2, 70, 20, 3, torch.float32, 4, (40, 3))
+    _check("3bit", 128, 1, 36, 12, 4, torch.float16, 0, (50, 0))
+
+
+@pytest.mark.parametrize("dtype,group,q_len,length", [(torch.float32, 1, 7, 40), (torch.float32, 4, 16, 16 + 33),
+                                                      (torch.bfloat16, 3, 5, 64)])
+def test_history_and_own_tokens_merge_to_one_causal_attention(dtype, group, q_len, length):
+    """The split route (the history over stacked query rows, the own tokens causally, merged by log-sum-exp)
+    equals one fp32 softmax over every position up to each query's own, also with scores of a few hundred,
+    where an unshifted exp would overflow."""
+    gen = torch.Generator(device=DEVICE).manual_seed(q_len)
+    q = torch.randn(2, 2 * group, q_len, 32, device=DEVICE, generator=gen) * 20
+    k, v = (torch.randn(2, 2, length, 32, device=DEVICE, generator=gen) for _ in range(2))
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    allowed = torch.arange(length, device=DEVICE)[None] <= torch.arange(q_len, device=DEVICE)[:, None] + length - q_len
+    scores = q.float() @ k.float().repeat_interleave(group, 1).transpose(-1, -2) * 0.3
+    want = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v.float().repeat_interleave(group, 1)
+    assert scores.abs().max() > 100
+    got = history._attend_history_and_own(q, k, v, 0.3)
+    assert got.dtype == dtype
+    assert rel_error(got, want) <= 2 * attention_tolerance(dtype, want)
+
+
+def test_refused_cudnn_warns_once_and_takes_one_sdpa_call(monkeypatch):
+    """Where the history's attention raises (cuDNN without support for the shape), the forward warns once and is
+    answered by one SDPA call, correctly; later forwards of that dtype and head size go there without trying."""
+    monkeypatch.setattr(history, "_CUDNN_REFUSED", set())
+    calls = []
+
+    def refuse(*args, causal, **kwargs):
+        calls.append(causal)
+        raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+
+    monkeypatch.setattr(history, "_attention_lse", refuse)
+    monkeypatch.setattr(history, "splits_history", lambda *a: True)
+    with pytest.warns(UserWarning, match="cuDNN attention refused"):
+        _check("k8v4", 64, 1, 45, 12, 2, torch.float32, 0, None)
+    assert calls == [False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check("k8v4", 64, 1, 45, 12, 2, torch.float32, 0, None)
+    assert calls == [False]
+
+
 def test_dense_history_serves_only_what_it_can():
     layout = make_layout("4bit", 2, 64, **LEVERS["4bit"])
     q = torch.zeros(1, 4, history.DENSE_HISTORY_MIN_QUERIES, 64, dtype=torch.float16)
@@ -147,14 +196,18 @@ def test_bad_length_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["4bit", "k8v4", "k3v4", "3bit"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, monkeypatch):
-    """ops.paged_attention with a common length and many queries goes the dense route (flash attention), at
-    head_dim 128, an odd length and the levers, within tolerance of the reference and of the unified kernel."""
-    taken = []
-    real = history.dense_history_attention
+@pytest.mark.parametrize("rows", [1, 8])
+def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, rows, monkeypatch):
+    """ops.paged_attention with a common length and many queries goes the dense route, at head_dim 128, an odd
+    length and the levers, within tolerance of the reference and of the unified kernel: on an H100 or H200 one SDPA
+    call for one row of 300 queries, the history apart (cuDNN, not refused) for 8 rows."""
+    taken, split = [], []
+    real, real_split = history.dense_history_attention, history.splits_history
     monkeypatch.setattr("tq_hf.kernels.dense_history_attention", lambda *a, **k: taken.append(1) or real(*a, **k))
+    monkeypatch.setattr(history, "splits_history", lambda *a: split.append(real_split(*a)) or split[-1])
+    monkeypatch.setattr(history, "_CUDNN_REFUSED", set())
     layout = make_layout(preset, 8, 128, block_size=64, **LEVERS[preset])
-    rows, length, q_len = 2, 3001, max(300, history.dense_history_min_queries(layout))
+    length, q_len = 3001, max(300, history.dense_history_min_queries(layout))
     offset = torch.randn(8, 128, device="cuda") if layout.config.key_centering else None
     pool, table = fill_cache(layout, [length] * rows, "cuda", key_offset=offset)
     kw = poisoned_exact_buffers(pool, layout, table, [length] * rows, [0] * rows, 4, (128 + q_len, 0), dtype, "cuda")
@@ -165,6 +218,10 @@ def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, monkeypatc
     got = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, length=length, **kw)
     unified = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, **kw)
     assert taken == [1]
+    tiles = rows * 8 * 10  # 128-row tiles of 4 x 300 stacked query rows per KV head
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert split == [tiles >= history.SPLIT_HISTORY_TILES_PER_SM * sms]
+    assert not history._CUDNN_REFUSED
     assert rel_error(got, want) <= 3 * attention_tolerance(dtype, want)  # as in _check
     assert rel_error(unified, want) <= attention_tolerance(dtype, want)
 

@@ -3,9 +3,14 @@
 The unified kernel decodes the history once per tile of 64 query rows: from a few hundred queries up it
 re-reads and re-decodes the whole history several times and runs 2-4.6x fp16 SDPA (docs/performance.md). Here the
 history is dequantized once (dequantize.py, in the rotation spaces), the exact tokens (prefix, ring, the
-forward's own) written over their positions, and torch's SDPA attends with the causal mask aligned to the
-bottom right (flash attention on CUDA). Queries and outputs are rotated instead of the history: a few rows
-against every position.
+forward's own) written over their positions, and torch attends over it. Queries and outputs are rotated instead
+of the history: a few rows against every position.
+
+Where a forward's queries fill the GPU, the history and the forward's own tokens are attended apart and merged by
+their log-sum-exp: the history without a mask, with each KV head's G x Lq query rows stacked into one sequence
+(cuDNN attention), so each dense K/V tile is read once per KV head instead of once per query head; the own
+tokens causally (flash attention). Elsewhere one SDPA call takes both with the causal mask aligned to the bottom
+right (docs/performance.md has the figures behind the switch).
 
 The dense copy is transient: a group of rows at a time, within DENSE_HISTORY_BYTES. It serves unpadded rows of
 one common length without a sliding window, logit softcapping or attention sinks (dense_history_serves); the
@@ -15,6 +20,8 @@ unified kernel serves everything else and forwards of fewer queries.
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,7 @@ from ..reference import ring_offset, ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
 from .dequantize import dequantize_rotated
+from .device import device_traits
 from .fast_launch import device_of
 
 # queries per row from which the dense route is taken: where it measured faster than the unified kernel, eager, on
@@ -33,6 +41,11 @@ DENSE_HISTORY_MIN_QUERIES = 256
 DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS = 128
 DENSE_HISTORY_BYTES = 1 << 30  # the dense K/V of one group of rows; rows beyond it go in later groups
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# the history attended apart from the forward's own tokens once its stacked query rows make this many 128-row
+# tiles per SM: B=1, S=32k, 32/8/128 fp16 on an H200, 512 queries (1.0 tile per SM) 0.64 against 1.07 ms for one
+# SDPA call, 256 queries (0.5) 0.62 against 0.53 (docs/performance.md)
+SPLIT_HISTORY_TILES_PER_SM = 0.75
+_CUDNN_REFUSED: set[tuple] = set()  # (device, dtype, head_dim) where cuDNN attention raised: one SDPA call there
 
 
 def dense_history_serves(query: torch.Tensor, layout: BlockLayout, length: int | None, kv_start=None,
@@ -65,8 +78,7 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     last Lq positions of each row; seq_lens (each row's `length`) is not read. The exact buffers and key_offset are
     as unified_attention takes them. Returns `out` (allocated if None) in query's dtype."""
     check_attention_inputs(query, pool, layout, block_table, seq_lens, None, None, out, scale, None, None)
-    b, hq, lq, d = query.shape
-    hk = layout.num_kv_heads
+    b, lq = query.shape[0], query.shape[2]
     if not isinstance(length, int) or not lq <= length <= block_table.shape[1] * layout.block_size:
         raise ValueError(f"length must be an int from the query count {lq} to the block table's capacity "
                          f"{block_table.shape[1] * layout.block_size}, got {length!r}")
@@ -81,7 +93,6 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     mean = key_offset  # (int8 ring key records hold keys less the unrotated mean)
     if key_offset is not None and rot_t is not None:
         key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
-    mask = None if lq == length else causal_lower_right(lq, length)
     group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
     with device_of(pool):
         for r0 in range(0, b, group):
@@ -99,10 +110,76 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
             if p:
                 k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
                 v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
-            o = F.scaled_dot_product_attention(q[rows], k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                               enable_gqa=hq != hk)
+            o = _attend(q[rows], k, v, scale)
             out[rows] = o if vrot is None else o @ vrot
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q [R, Hq, Lq, D], the last Lq of the `length` positions of k, v [R, Hk, length, D], each query
+    over the positions up to its own; in q's dtype."""
+    b, hq, lq, d = q.shape
+    hk, length = k.shape[1], k.shape[2]
+    if splits_history(q, hk, length) and (q.device, q.dtype, d) not in _CUDNN_REFUSED:
+        try:
+            return _attend_history_and_own(q, k, v, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # cuDNN without support for this shape, dtype or device: one SDPA call
+            _CUDNN_REFUSED.add((q.device, q.dtype, d))
+            warnings.warn(f"tq_hf: cuDNN attention refused the history of a {lq}-query forward ({q.dtype}, head_dim "
+                          f"{d}): {err}; such forwards take one SDPA call instead, which is slower", stacklevel=3)
+    mask = None if lq == length else causal_lower_right(lq, length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=hq != hk)
+
+
+def splits_history(q: torch.Tensor, num_kv_heads: int, length: int) -> bool:
+    """Whether q [R, Hq, Lq, D] over `length` positions attends the history apart from its own tokens: always
+    off CUDA (the tests' path), on CUDA in fp16/bf16 once the history's stacked query rows fill the GPU."""
+    b, hq, lq, _ = q.shape
+    if lq >= length:
+        return False
+    if q.device.type != "cuda":
+        return True
+    tiles = b * num_kv_heads * math.ceil(hq // num_kv_heads * lq / 128)
+    return (q.dtype in FLASH_DTYPES and torch.backends.cudnn.is_available()
+            and tiles >= SPLIT_HISTORY_TILES_PER_SM * device_traits(q.device).num_sms)
+
+
+def _attend_history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """_attend as two attentions merged by log-sum-exp: every query over the history [0, length - Lq), each KV
+    head's G x Lq query rows as one sequence; and causally over the forward's own Lq positions."""
+    b, hq, lq, d = q.shape
+    hk, length = k.shape[1], k.shape[2]
+    h = length - lq
+    stacked = q.reshape(b * hk, 1, hq // hk * lq, d)  # head kv * G + g's rows at g * Lq + i of KV head kv's
+    o_hist, lse_hist = _attention_lse(stacked, k[:, :, :h].reshape(b * hk, 1, h, d),
+                                      v[:, :, :h].reshape(b * hk, 1, h, d), scale, causal=False)
+    o_own, lse_own = _attention_lse(q, k[:, :, h:], v[:, :, h:], scale, causal=True)
+    # softmax over both pieces: the history's share of each row's weight is sigmoid(lse_hist - lse_own)
+    share = torch.sigmoid(lse_hist.reshape(b, hq, lq, 1) - lse_own.reshape(b, hq, lq, 1))
+    return torch.lerp(o_own.float(), o_hist.reshape(b, hq, lq, d).float(), share).to(q.dtype)
+
+
+def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attention of q [B, Hq, L, D] over k, v [B, Hk, S, D] in q's dtype, the log-sum-exp of each row's scaled
+    scores in fp32); causal: L == S, each row over the positions up to its own. On CUDA in fp16/bf16 the history
+    (no mask) by cuDNN attention, the causal piece by flash attention (GQA-aware); elsewhere fp32 math."""
+    if q.is_cuda and q.dtype in FLASH_DTYPES:
+        if causal:
+            result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+        else:
+            result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False,
+                                                                        scale=scale)
+        return result[0], result[1]
+    if k.shape[1] != q.shape[1]:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
 
 
 @functools.lru_cache(maxsize=None)
