@@ -148,6 +148,30 @@ def test_three_bit_key_planes(preset, head_dim, q_len, num_splits, options):
     _check(layout, [37, 70], q_len, 4, key_offset=mu, num_splits=num_splits, softcap=5.0 if options else None)
 
 
+@pytest.mark.parametrize("preset,head_dim,q_len,options", [
+    ("k3v4", 64, 1, True), ("3bit", 64, 5, False), ("3bit", 32, 1, True), ("k3v4", 96, 3, False)])
+@pytest.mark.parametrize("key_poly", [True, False])
+def test_three_bit_bit_stream_keys_by_polynomial_and_gather(preset, head_dim, q_len, options, key_poly):
+    """3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K) decode by their centroids'
+    odd polynomial (the default) or by gathers from the centroid table; both match the reference."""
+    rotation = {} if head_dim & (head_dim - 1) == 0 else {"rotation": "random"}
+    layout = make_layout(preset, 2, head_dim, key_centering=options, value_rotation=options, **rotation)
+    plan = plan_attention(torch.zeros(1, 4, q_len, head_dim), layout.allocate(1, "cpu"), layout,
+                          torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+    assert plan.constants["KEY_POLY"], "the polynomial is the default for bit-stream keys"
+    mu = torch.randn(2, head_dim, device=DEVICE) * 3 if options else None
+    _check(layout, [37, 70], q_len, 4, key_offset=mu, num_splits=2, launch=LaunchConfig(key_poly=key_poly))
+
+
+def test_key_polynomial_refused_where_it_cannot_decode():
+    for preset, head_dim in (("4bit", 64), ("k8v4", 64), ("k3v4", 128)):
+        layout = make_layout(preset, 2, head_dim)
+        with pytest.raises(ValueError, match="key_poly=True needs 3-bit codebook keys stored as a bit stream"):
+            plan_attention(torch.zeros(1, 4, 1, head_dim), layout.allocate(1, "cpu"), layout,
+                           torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
+                           launch=LaunchConfig(key_poly=True))
+
+
 @pytest.mark.parametrize("q_len,num_splits", [(1, 2), (6, 1)])
 def test_three_bit_rotations_at_an_odd_head_dim(q_len, num_splits):
     """3-bit keys rotate the query, and value_rotation rotates the output, in two column halves

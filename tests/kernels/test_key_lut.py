@@ -8,7 +8,8 @@ import torch
 
 from tq_hf.config import TurboQuantConfig
 from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words,
-                                   lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm)
+                                   config_poly3, lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm,
+                                   odd_poly_coefficients)
 from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
@@ -147,3 +148,26 @@ def test_byte_magnitudes_need_the_grid():
     skewed = on.clone()
     skewed[0] = -on[0] + step
     assert lut_bytes(skewed) is None
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96])
+def test_odd_polynomial_gives_every_3bit_centroid(head_dim):
+    """The bit-stream keys' polynomial, evaluated as the kernel does (fp32, x = code - 3.5), gives each stored
+    code's centroid to fp32 rounding (an independent check of odd_poly_coefficients' solve)."""
+    config = TurboQuantConfig.from_preset("3bit", rotation="random")
+    coef = config_poly3(config, head_dim)
+    want = key_codec(config, head_dim).code_centroids
+    x = torch.arange(8, dtype=torch.float32) - 3.5
+    a1, a3, a5, a7 = (torch.tensor(c, dtype=torch.float32) for c in coef)
+    got = x * (a1 + x * x * (a3 + x * x * (a5 + x * x * a7)))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_odd_polynomial_only_for_8_odd_finite_centroids():
+    gaussian = torch.tensor([-2.152, -1.344, -0.756, -0.2451, 0.2451, 0.756, 1.344, 2.152])  # Lloyd-Max, N(0, 1)
+    assert odd_poly_coefficients(gaussian) is not None
+    assert odd_poly_coefficients(torch.tensor([-2.0, -1.1, -0.5, -0.1, 0.0, 0.4, 1.0, 2.5])) is None, "not odd"
+    assert odd_poly_coefficients(torch.linspace(-1, 1, 16)) is None
+    assert odd_poly_coefficients(torch.tensor([float("inf"), -2, -1, -0.5, 0.5, 1, 2, float("-inf")])) is None
+    assert config_poly3(TurboQuantConfig.from_preset("4bit"), 64) is None
+    assert config_poly3(TurboQuantConfig.from_preset("k8v4"), 64) is None

@@ -1,8 +1,8 @@
 """Code decoders of the unified kernel's tiles: packed key and value codes to fp16 MMA operands.
 
 4-bit values as bytes (the 0x6400 trick) or 16-bit words (fp16 subnormals, value_nibbles.py's asm), 3-bit
-value planes, the 3-bit bit stream, and 3-bit key planes scored by key_lut.py's byte permutes or by gathers
-from the centroid table.
+value planes, the 3-bit bit stream (its key centroids by an odd polynomial in the code), and 3-bit key planes
+scored by key_lut.py's byte permutes or by gathers from the centroid table.
 """
 
 from __future__ import annotations
@@ -30,6 +30,13 @@ def nibbles_to_f16(b, HIGH: tl.constexpr):
     else:
         w = (w & 0x0F) | 0x6400
     return w.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def codes_to_f16(codes):
+    """Small non-negative int codes (< 1024) -> fp16, exact, by the 0x6400 trick: two full-rate ops where an
+    int-to-float conversion runs at a quarter of the ALU rate."""
+    return (codes | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
@@ -96,19 +103,34 @@ def value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, CODE_GROUPS: tl.constexpr, REAL_GROUPS: tl.constexpr):
-    """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * CODE_GROUPS] of the rows at byte
-    offsets row_off: each 3-byte group is loaded once (three strided byte loads), joined into
-    a 24-bit word and split into its 8 codes (code 8g + p at bits 3p of group g)."""
+def odd_poly_centroids(codes, A1: tl.constexpr, A3: tl.constexpr, A5: tl.constexpr, A7: tl.constexpr):
+    """3-bit codes (int32, 0..7) -> their centroids in fp16 by key_lut.odd_poly_coefficients: x = code - 3.5 from
+    the float bits 0x4B000000 | code (2**23 + code; a LOP3 with the unpacking's mask and two FADDs, as 2**23 + 3.5
+    is no fp32, where an int-to-float conversion runs at a quarter of the ALU rate), then
+    x (A1 + x^2 (A3 + x^2 (A5 + x^2 A7)))."""
+    x = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - 3.5
+    x2 = x * x
+    return (x * (A1 + x2 * (A3 + x2 * (A5 + x2 * A7)))).to(tl.float16)
+
+
+@triton.jit
+def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, CODE_GROUPS: tl.constexpr,
+            REAL_GROUPS: tl.constexpr):
+    """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * CODE_GROUPS] of the rows at byte offsets row_off:
+    each 3-byte group is loaded once (three strided byte loads), joined into a 24-bit word and split into its 8
+    codes (code 8g + p at bits 3p of group g), put together by joins in the registers of the thread that loaded the
+    group (a broadcast over a third axis moved the loaded bytes into another layout through shared memory first)."""
     g = tl.arange(0, CODE_GROUPS)
     ptr = pool_ptr + (plane[:, None] + row_off[:, None] + 3 * g[None, :])
     m = tok_ok[:, None] & (g[None, :] < REAL_GROUPS)
     b0 = tl.load(ptr, mask=m, other=0).to(tl.int32)
     b1 = tl.load(ptr + 1, mask=m, other=0).to(tl.int32)
     b2 = tl.load(ptr + 2, mask=m, other=0).to(tl.int32)
-    word = b0 | (b1 << 8) | (b2 << 16)
-    codes = (word[:, :, None] >> (3 * tl.arange(0, 8))[None, None, :]) & 7
-    return tl.reshape(codes, (BLOCK_N, CODE_GROUPS * 8))
+    w = b0 | (b1 << 8) | (b2 << 16)
+    # [N, G, 2, 2, 2] with element (i, j, k) = code 4i + 2j + k of the group: row-major flattening keeps code order
+    even = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
+    odd = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
+    return tl.reshape(tl.join(even, odd), (BLOCK_N, CODE_GROUPS * 8))
 
 
 @triton.jit

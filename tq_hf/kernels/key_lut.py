@@ -221,3 +221,41 @@ def config_lut3_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, i
     if not config.uses_codebook or config.key_bits != 3:
         return None
     return lut3_words(key_codec(config, head_dim, "cpu").code_centroids)
+
+
+# ---- 3-bit codebook keys as a bit stream (head_dims whose planes do not fill an MMA's K) ----------
+# The centroids by stored code are odd about code 3.5 (a symmetric codebook, ascending), so the odd degree-7
+# polynomial in x = code - 3.5 through its 8 values gives each centroid in 7 full-rate float ops and a LOP3
+# (code_decoders.odd_poly_centroids), where a gather from the 8-entry table compiled to ~16 compare-and-select
+# instructions per code (sm_90a SASS, head_dim 64; docs/performance.md).
+POLY_TOLERANCE = 1e-6  # largest error of the fit, relative to the largest centroid (fp32 evaluation: ~1e-7)
+
+
+def odd_poly_coefficients(centroids: torch.Tensor) -> tuple[float, float, float, float] | None:
+    """(a1, a3, a5, a7) with a1 x + a3 x**3 + a5 x**5 + a7 x**7 = centroid of stored code x + 3.5, for 8 centroids
+    by stored code; None unless they are finite and odd about code 3.5 within POLY_TOLERANCE."""
+    if centroids.numel() != 8:
+        return None
+    c = centroids.detach().to("cpu", torch.float64).flatten()
+    if not bool(torch.isfinite(c).all()):
+        return None
+    x = torch.arange(8, dtype=torch.float64) - 3.5
+    powers = torch.stack([x ** k for k in (1, 3, 5, 7)], 1)
+    coef = torch.linalg.solve(powers[4:], c[4:])
+    a1, a3, a5, a7 = coef.float()
+    xf, x2 = x.float(), x.float() ** 2
+    fit = (xf * (a1 + x2 * (a3 + x2 * (a5 + x2 * a7)))).double()  # as the kernel evaluates it (Horner, fp32)
+    if (fit - c).abs().max() > POLY_TOLERANCE * c.abs().max():
+        return None
+    return tuple(float(a) for a in coef)
+
+
+@functools.lru_cache(maxsize=None)
+def config_poly3(config: "TurboQuantConfig", head_dim: int) -> tuple[float, float, float, float] | None:
+    """odd_poly_coefficients of this config's 3-bit codebook keys (computed once per (config, head_dim)); None
+    when the keys are not 3-bit codebook keys or their centroids are not odd."""
+    from ..reference import key_codec
+
+    if not config.uses_codebook or config.key_bits != 3:
+        return None
+    return odd_poly_coefficients(key_codec(config, head_dim, "cpu").code_centroids)

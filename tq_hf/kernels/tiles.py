@@ -10,10 +10,12 @@ import triton.language as tl
 from .code_decoders import (
     LUT_CONSTRAINTS,
     LUT_WORDS_CONSTRAINTS,
+    codes_to_f16,
     gather_cols,
     gather_dots,
     lookup_dots,
     nibbles_to_f16,
+    odd_poly_centroids,
     spare_codes,
     unpack3,
     value_col,
@@ -174,6 +176,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
+               KEY_POLY: tl.constexpr, KP1: tl.constexpr, KP3: tl.constexpr, KP5: tl.constexpr, KP7: tl.constexpr,
                KEY_WORDS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
                MASKED: tl.constexpr):
@@ -276,7 +279,10 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             s = gather_dots(s, qp[6], qp[7], p67, table)
     elif KEY_BITS == 3:
         kc = unpack3(pool_ptr, plane, off * KB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
-        k = tl.gather(table, kc, 1)
+        if KEY_POLY:
+            k = odd_poly_centroids(kc, KP1, KP3, KP5, KP7)
+        else:
+            k = tl.gather(table, kc, 1)
         s = tl.dot(q16, tl.trans(k))
     else:
         kb = tl.load(pool_ptr + (plane[:, None] + off[:, None] * KB + dc[None, :]), mask=tok_ok[:, None] & (dc[None, :] < D), other=0)
@@ -382,7 +388,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         acc1 = rescaled_dot(ps, value_plane_bytes(low, high, vcol, 1, D), acc1, alpha[:, None])
     else:
         vc = unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
-        acc0 = rescaled_dot(ps, vc.to(tl.float16), acc0, alpha[:, None])
+        acc0 = rescaled_dot(ps, codes_to_f16(vc), acc0, alpha[:, None])
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 
 
