@@ -150,26 +150,18 @@ def test_three_bit_key_planes(preset, head_dim, q_len, num_splits, options):
 
 @pytest.mark.parametrize("preset,head_dim,q_len,options", [
     ("k3v4", 64, 1, True), ("3bit", 64, 5, False), ("3bit", 32, 1, True), ("k3v4", 96, 3, False)])
-@pytest.mark.parametrize("key_poly", [True, False])
-def test_three_bit_bit_stream_keys_by_polynomial_and_gather(preset, head_dim, q_len, options, key_poly):
-    """3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K) decode by their centroids'
-    odd polynomial (the default) or by gathers from the centroid table; both match the reference."""
+def test_three_bit_bit_stream_keys(preset, head_dim, q_len, options):
+    """3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K), unpacked by joins: on the
+    CPU gathered from the centroid table (a GPU plans the byte-permute lookup, key_lut.lut3_codes_asm: the PTX
+    emulator's test and the gpu tests)."""
     rotation = {} if head_dim & (head_dim - 1) == 0 else {"rotation": "random"}
     layout = make_layout(preset, 2, head_dim, key_centering=options, value_rotation=options, **rotation)
-    plan = plan_attention(torch.zeros(1, 4, q_len, head_dim), layout.allocate(1, "cpu"), layout,
-                          torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
-    assert plan.constants["KEY_POLY"], "the polynomial is the default for bit-stream keys"
     mu = torch.randn(2, head_dim, device=DEVICE) * 3 if options else None
-    _check(layout, [37, 70], q_len, 4, key_offset=mu, num_splits=2, launch=LaunchConfig(key_poly=key_poly))
-
-
-def test_key_polynomial_refused_where_it_cannot_decode():
-    for preset, head_dim in (("4bit", 64), ("k8v4", 64), ("k3v4", 128)):
-        layout = make_layout(preset, 2, head_dim)
-        with pytest.raises(ValueError, match="key_poly=True needs 3-bit codebook keys stored as a bit stream"):
-            plan_attention(torch.zeros(1, 4, 1, head_dim), layout.allocate(1, "cpu"), layout,
-                           torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
-                           launch=LaunchConfig(key_poly=True))
+    _check(layout, [37, 70], q_len, 4, key_offset=mu, num_splits=2)
+    args = (torch.zeros(1, 4, q_len, head_dim), layout.allocate(1, "cpu"), layout, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), 0.1)
+    assert plan_attention(*args, device_traits=H200).constants["KEY_LUT"], "a GPU looks the codes up"
+    assert not plan_attention(*args, device_traits=H200, launch=LaunchConfig(key_lut=False)).constants["KEY_LUT"]
 
 
 @pytest.mark.parametrize("q_len,num_splits", [(1, 2), (6, 1)])
@@ -558,10 +550,12 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     pool, table = fill_cache(layout, [64] * batch, "cpu")
     q = torch.randn(batch, 32, q_len, head_dim)
     seen = _gpu_launch(q, pool, layout, table, torch.full((batch,), 64 + q_len), 0.1, max_seq_len=32768)
+    three = preset in ("k3v4", "3bit")
     if head_dim != 128:  # head_dim 64 (9/3/64 sweeps): 4-bit decode by the code words in 168
-        # registers on 256-token tiles; FP8 keys uncapped in the plain format; 3-bit keys gathered (no planes at 64)
-        lookup = preset == "4bit" and q_len == 1
-        maxnreg = 168 if lookup else None
+        # registers on 256-token tiles; FP8 keys uncapped in the plain format; 3-bit keys as a bit stream (no planes
+        # at 64), looked up 4 unpacked codes at a time (key_lut.lut3_codes_asm), uncapped
+        lookup = (preset == "4bit" or three) and q_len == 1
+        maxnreg = 168 if lookup and not three else None
         block_n = 256 if preset == "4bit" and q_len == 1 else block_n
     assert (seen["KEY_LUT"], seen["BLOCK_N"], seen.get("maxnreg")) == (lookup, block_n, maxnreg), seen
     # two KV heads per program: 4-bit lookup decode (any batch; the levers too, below)
@@ -573,9 +567,10 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     assert seen["KEY_WORDS"] == key_words, seen
     if key_words:
         assert "prmt.b32 c, $4, $4, 0x3120" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
+    elif three and head_dim != 128:  # one asm per 4 unpacked codes
+        assert "or.b32 sel, $2, t" in seen["LUT_LO"] and seen["LUT_HI"] == "", seen
     else:
         assert (seen["LUT_LO"] != "") == lookup and "prmt.b32" in seen["LUT_HI"] if lookup else seen["LUT_HI"] == ""
-    three = preset in ("k3v4", "3bit")
     assert seen["KEY_PLANES"] == (three and head_dim == 128), seen
     assert seen["VALUE_PLANES"] == (preset == "3bit" and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from tq_hf.config import TurboQuantConfig
-from tq_hf.kernels.key_lut import (CONSTRAINTS, WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words,
-                                   config_poly3, lut3_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm,
-                                   odd_poly_coefficients)
+from tq_hf.kernels.key_lut import (CONSTRAINTS, SPARE_ASM, WORDS_CONSTRAINTS, config_lut3_words, config_lut_bytes, config_lut_words,
+                                   lut3_asm, lut3_codes_asm, lut3_words, lut_asm, lut_bytes, lut_words, lut_words_asm)
 from tq_hf.reference import key_codec, pack_key_codes, unpack_key_codes
 
 from ptx_emulator import prmt, run
@@ -150,24 +149,31 @@ def test_byte_magnitudes_need_the_grid():
     assert lut_bytes(skewed) is None
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 96])
-def test_odd_polynomial_gives_every_3bit_centroid(head_dim):
-    """The bit-stream keys' polynomial, evaluated as the kernel does (fp32, x = code - 3.5), gives each stored
-    code's centroid to fp32 rounding (an independent check of odd_poly_coefficients' solve)."""
-    config = TurboQuantConfig.from_preset("3bit", rotation="random")
-    coef = config_poly3(config, head_dim)
-    want = key_codec(config, head_dim).code_centroids
-    x = torch.arange(8, dtype=torch.float32) - 3.5
-    a1, a3, a5, a7 = (torch.tensor(c, dtype=torch.float32) for c in coef)
-    got = x * (a1 + x * x * (a3 + x * x * (a5 + x * x * a7)))
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+def test_every_3bit_code_quad_becomes_its_centroids():
+    """lut3_codes_asm on 4 int32 codes (the unpacked bit stream) gives their fp16 centroids, lowest code in the low
+    half of the first output, for random quads covering every code at every position."""
+    centroids = key_codec(TurboQuantConfig.from_preset("k3v4"), 64).code_centroids
+    asm = lut3_codes_asm(config_lut3_words(TurboQuantConfig.from_preset("k3v4"), 64))
+    bits = _fp16_bits(centroids)
+    gen = torch.Generator().manual_seed(0)
+    quads = torch.cat([torch.arange(8)[:, None].expand(8, 4), torch.randint(0, 8, (64, 4), generator=gen)])
+    for quad in quads.tolist():
+        out = run(asm, {2 + i: code for i, code in enumerate(quad)})
+        got = _halves(out[0]) + _halves(out[1])
+        assert got == [bits[c] for c in quad], f"codes {quad}: got {got}"
 
 
-def test_odd_polynomial_only_for_8_odd_finite_centroids():
-    gaussian = torch.tensor([-2.152, -1.344, -0.756, -0.2451, 0.2451, 0.756, 1.344, 2.152])  # Lloyd-Max, N(0, 1)
-    assert odd_poly_coefficients(gaussian) is not None
-    assert odd_poly_coefficients(torch.tensor([-2.0, -1.1, -0.5, -0.1, 0.0, 0.4, 1.0, 2.5])) is None, "not odd"
-    assert odd_poly_coefficients(torch.linspace(-1, 1, 16)) is None
-    assert odd_poly_coefficients(torch.tensor([float("inf"), -2, -1, -0.5, 0.5, 1, 2, float("-inf")])) is None
-    assert config_poly3(TurboQuantConfig.from_preset("4bit"), 64) is None
-    assert config_poly3(TurboQuantConfig.from_preset("k8v4"), 64) is None
+def test_spare_code_bytes_gather_codes_6_and_7_from_the_planes():
+    """SPARE_ASM on 4 bytes of each of the three key planes gives, byte by byte, the integer formula the CPU path
+    uses and the layout's packing implies: code 6 from the planes' bits 3, code 7 from their bits 7."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        planes = torch.randint(0, 256, (3, 4), generator=gen).tolist()
+        words = [sum(b << (8 * i) for i, b in enumerate(p)) for p in planes]
+        got = run(SPARE_ASM, {1: words[0], 2: words[1], 3: words[2]})[0]
+        for i in range(4):
+            p0, p1, p2 = (p[i] for p in planes)
+            code6 = ((p0 >> 3) & 1) | (((p1 >> 3) & 1) << 1) | (((p2 >> 3) & 1) << 2)
+            code7 = ((p0 >> 7) & 1) | (((p1 >> 7) & 1) << 1) | (((p2 >> 7) & 1) << 2)
+            assert (got >> (8 * i)) & 0xFF == code6 | (code7 << 4), (planes, i)

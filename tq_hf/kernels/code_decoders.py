@@ -1,8 +1,8 @@
 """Code decoders of the unified kernel's tiles: packed key and value codes to fp16 MMA operands.
 
 4-bit values as bytes (the 0x6400 trick) or 16-bit words (fp16 subnormals, value_nibbles.py's asm), 3-bit
-value planes, the 3-bit bit stream (its key centroids by an odd polynomial in the code), and 3-bit key planes
-scored by key_lut.py's byte permutes or by gathers from the centroid table.
+value planes, the 3-bit bit stream, and 3-bit keys (planes or bit stream) looked up by key_lut.py's byte permutes
+or gathered from the centroid table.
 """
 
 from __future__ import annotations
@@ -10,11 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .key_lut import CONSTRAINTS as _LUT_CONSTRAINTS, WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS
+from .key_lut import CODES_CONSTRAINTS as _LUT_CODES_CONSTRAINTS, CONSTRAINTS as _LUT_CONSTRAINTS
+from .key_lut import SPARE_ASM as _SPARE_ASM, SPARE_CONSTRAINTS as _SPARE_CONSTRAINTS
+from .key_lut import WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
 
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
 LUT_WORDS_CONSTRAINTS = tl.constexpr(_LUT_WORDS_CONSTRAINTS)
+LUT_CODES_CONSTRAINTS = tl.constexpr(_LUT_CODES_CONSTRAINTS)
+SPARE_ASM = tl.constexpr(_SPARE_ASM)
+SPARE_CONSTRAINTS = tl.constexpr(_SPARE_CONSTRAINTS)
 VALUE_NIBBLES_ASM = tl.constexpr(_VALUE_NIBBLES_ASM)
 VALUE_NIBBLES_CONSTRAINTS = tl.constexpr(_VALUE_NIBBLES_CONSTRAINTS)
 VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
@@ -103,17 +108,6 @@ def value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def odd_poly_centroids(codes, A1: tl.constexpr, A3: tl.constexpr, A5: tl.constexpr, A7: tl.constexpr):
-    """3-bit codes (int32, 0..7) -> their centroids in fp16 by key_lut.odd_poly_coefficients: x = code - 3.5 from
-    the float bits 0x4B000000 | code (2**23 + code; a LOP3 with the unpacking's mask and two FADDs, as 2**23 + 3.5
-    is no fp32, where an int-to-float conversion runs at a quarter of the ALU rate), then
-    x (A1 + x^2 (A3 + x^2 (A5 + x^2 A7)))."""
-    x = ((codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) - 3.5
-    x2 = x * x
-    return (x * (A1 + x2 * (A3 + x2 * (A5 + x2 * A7)))).to(tl.float16)
-
-
-@triton.jit
 def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, CODE_GROUPS: tl.constexpr,
             REAL_GROUPS: tl.constexpr):
     """3-bit little-endian bit stream -> int32 codes [BLOCK_N, 8 * CODE_GROUPS] of the rows at byte offsets row_off:
@@ -134,10 +128,15 @@ def unpack3(pool_ptr, plane, row_off, tok_ok, BLOCK_N: tl.constexpr, CODE_GROUPS
 
 
 @triton.jit
-def spare_codes(p0, p1, p2):
+def spare_codes(p0, p1, p2, PTX: tl.constexpr):
     """Bytes j of the three 3-bit key planes (layout.py) -> one byte of codes 6 (bits 0-2) and 7 (bits
-    4-6) of coordinates 6J + j and 7J + j, gathered from the planes' spare bits 3 and 7. Integer ops,
-    which Triton moves into the MMA operand layout with the loads (a multi-input asm it would not)."""
+    4-6) of coordinates 6J + j and 7J + j, gathered from the planes' spare bits 3 and 7. PTX: by key_lut.SPARE_ASM,
+    4 bytes of each plane per instruction, in the MMA operand layout the loads land in (Triton's integer ops on
+    uint8 tensors ran per byte, unpacking and repacking them: 1,549 -> 1,208 instructions per k3v4 decode tile at
+    32/8/128, sm_90a SASS, Triton 3.6)."""
+    if PTX:
+        return tl.inline_asm_elementwise(SPARE_ASM, SPARE_CONSTRAINTS, [p0, p1, p2], dtype=tl.uint8, is_pure=True,
+                                         pack=4)
     return ((p0 >> 3) & 0x11) | ((p1 >> 2) & 0x22) | ((p2 >> 1) & 0x44)
 
 

@@ -187,12 +187,27 @@ def config_lut_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, in
 
 # ---- 3-bit codebook keys ------------------------------------------------------------------------
 # The key codes sit in three byte planes (layout.py): bits 0-2 and 4-6 of each byte are two codes;
-# the kernel gathers codes 6 and 7 from the planes' spare bits 3 and 7 into one more such byte with
-# integer ops (code_decoders.spare_codes: Triton moves those into the MMA operand layout, a three-input
-# asm it would not). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
+# the kernel gathers codes 6 and 7 from the planes' spare bits 3 and 7 into one more such byte (SPARE_ASM,
+# code_decoders.spare_codes). Any 8 centroids fit the two 8-byte tables: the code itself is the selector
 # nibble, no sign step. $2: 4 code bytes; $0, $1: fp16 centroids of their low (sel 0x6240) or high
 # (0x7351) nibbles.
 _BODY3 = _HEAD + _LOOKUP + _INTERLEAVE  # the 4-bit lookup without its sign step
+
+# $1, $2, $3: 4 bytes of planes 0, 1, 2 (pack=4); $0: their 4 spare-code bytes, code 6 from bits 3 (plane 0 -> bit 0,
+# plane 1 -> bit 1, plane 2 -> bit 2), code 7 from bits 7 (-> bits 4, 5, 6). Triton keeps this three-input asm in the
+# MMA operand layout the loads land in (no extra shared-memory traffic in the sm_90a SASS, Triton 3.6-3.9).
+SPARE_ASM = """{
+.reg .b32 a, b, c;
+shr.b32 a, $1, 3;
+shr.b32 b, $2, 2;
+shr.b32 c, $3, 1;
+and.b32 a, a, 0x11111111;
+and.b32 b, b, 0x22222222;
+and.b32 c, c, 0x44444444;
+or.b32 a, a, b;
+or.b32 $0, a, c;
+}"""
+SPARE_CONSTRAINTS = "=r,r,r,r"
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,38 +239,33 @@ def config_lut3_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, i
 
 
 # ---- 3-bit codebook keys as a bit stream (head_dims whose planes do not fill an MMA's K) ----------
-# The centroids by stored code are odd about code 3.5 (a symmetric codebook, ascending), so the odd degree-7
-# polynomial in x = code - 3.5 through its 8 values gives each centroid in 7 full-rate float ops and a LOP3
-# (code_decoders.odd_poly_centroids), where a gather from the 8-entry table compiled to ~16 compare-and-select
-# instructions per code (sm_90a SASS, head_dim 64; docs/performance.md).
-POLY_TOLERANCE = 1e-6  # largest error of the fit, relative to the largest centroid (fp32 evaluation: ~1e-7)
-
-
-def odd_poly_coefficients(centroids: torch.Tensor) -> tuple[float, float, float, float] | None:
-    """(a1, a3, a5, a7) with a1 x + a3 x**3 + a5 x**5 + a7 x**7 = centroid of stored code x + 3.5, for 8 centroids
-    by stored code; None unless they are finite and odd about code 3.5 within POLY_TOLERANCE."""
-    if centroids.numel() != 8:
-        return None
-    c = centroids.detach().to("cpu", torch.float64).flatten()
-    if not bool(torch.isfinite(c).all()):
-        return None
-    x = torch.arange(8, dtype=torch.float64) - 3.5
-    powers = torch.stack([x ** k for k in (1, 3, 5, 7)], 1)
-    coef = torch.linalg.solve(powers[4:], c[4:])
-    a1, a3, a5, a7 = coef.float()
-    xf, x2 = x.float(), x.float() ** 2
-    fit = (xf * (a1 + x2 * (a3 + x2 * (a5 + x2 * a7)))).double()  # as the kernel evaluates it (Horner, fp32)
-    if (fit - c).abs().max() > POLY_TOLERANCE * c.abs().max():
-        return None
-    return tuple(float(a) for a in coef)
+# The bit stream unpacks to one int32 code per coordinate (code_decoders.unpack3); 4 of them (0..7 each) become
+# the selector nibbles of one prmt per table byte, as the plane lookup's code bytes do, and two interleaves give
+# their fp16 centroids: ~4 instructions per code with the unpacking, where a gather over the 8-entry table lowered
+# to ~16 compare-and-selects per code (Triton 3.9; Triton 3.6-3.8 staged it through shared memory), sm_90a SASS.
+# $2..$5: 4 codes; $0: fp16x2 centroids of codes $2, $3; $1: of $4, $5.
+_CODES_BODY = """{
+.reg .b32 sel, t, lo, hi, l0, l1, h0, h1;
+mov.b32 l0, %(l0)d;
+mov.b32 l1, %(l1)d;
+mov.b32 h0, %(h0)d;
+mov.b32 h1, %(h1)d;
+shl.b32 t, $3, 4;
+or.b32 sel, $2, t;
+shl.b32 t, $4, 8;
+or.b32 sel, sel, t;
+shl.b32 t, $5, 12;
+or.b32 sel, sel, t;
+prmt.b32 lo, l0, l1, sel;
+prmt.b32 hi, h0, h1, sel;
+prmt.b32 $0, lo, hi, 0x5140;
+prmt.b32 $1, lo, hi, 0x7362;
+}"""
+CODES_CONSTRAINTS = "=r,=r,r,r,r,r"  # two fp16x2 outputs (4 fp16 with pack=4), four 32-bit codes
 
 
 @functools.lru_cache(maxsize=None)
-def config_poly3(config: "TurboQuantConfig", head_dim: int) -> tuple[float, float, float, float] | None:
-    """odd_poly_coefficients of this config's 3-bit codebook keys (computed once per (config, head_dim)); None
-    when the keys are not 3-bit codebook keys or their centroids are not odd."""
-    from ..reference import key_codec
-
-    if not config.uses_codebook or config.key_bits != 3:
-        return None
-    return odd_poly_coefficients(key_codec(config, head_dim, "cpu").code_centroids)
+def lut3_codes_asm(words: tuple[int, int, int, int]) -> str:
+    """The asm decoding 4 int32 3-bit codes into their fp16 centroids (CODES_CONSTRAINTS); words: lut3_words'."""
+    l0, l1, h0, h1 = words
+    return _CODES_BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1)

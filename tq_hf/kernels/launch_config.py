@@ -18,8 +18,7 @@ WARPS = (1, 2, 4, 8, 16)
 class LaunchConfig:
     """block_m: query rows per program tile; block_n: KV tokens per tile; num_warps, num_stages (software
     pipeline depth on a GPU); maxnreg: register cap per thread (NO_REGISTER_CAP: none).
-    key_lut: 4-bit / 3-bit-plane keys decoded by byte permutes (False: centroids gathered).
-    key_poly: 3-bit keys stored as a bit stream decoded by their centroids' odd polynomial (False: gathered).
+    key_lut: codebook keys (4-bit, 3-bit planes or bit stream) decoded by byte permutes (False: centroids gathered).
     value_words: 4-bit value codes as 16-bit words into 4 accumulators (else bytes into 2).
     exact_program: split decode attends the exact prefix and ring in a program of its own; ring_spread: split
     decode shares the ring's tiles out over all its programs (else one walks them all).
@@ -38,7 +37,6 @@ class LaunchConfig:
     num_stages: int | None = None
     maxnreg: int | None = None
     key_lut: bool | None = None
-    key_poly: bool | None = None
     value_words: bool | None = None
     exact_program: bool | None = None
     meta_pairs: bool | None = None

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .code_decoders import (
+    LUT_CODES_CONSTRAINTS,
     LUT_CONSTRAINTS,
     LUT_WORDS_CONSTRAINTS,
     codes_to_f16,
@@ -15,7 +16,6 @@ from .code_decoders import (
     gather_dots,
     lookup_dots,
     nibbles_to_f16,
-    odd_poly_centroids,
     spare_codes,
     unpack3,
     value_col,
@@ -176,7 +176,6 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
                BLOCK_N: tl.constexpr, HAS_KV_START: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_KEY_OFFSET: tl.constexpr,
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
-               KEY_POLY: tl.constexpr, KP1: tl.constexpr, KP3: tl.constexpr, KP5: tl.constexpr, KP7: tl.constexpr,
                KEY_WORDS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
                MASKED: tl.constexpr):
@@ -242,7 +241,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             x = tl.load(kw, mask=tok_ok[None, :], other=0)
             y = tl.load(kw + 16, mask=tok_ok[None, :], other=0)
             z = tl.load(kw + 32, mask=tok_ok[None, :] & (r32[:, None] < 16), other=0)
-            e = spare_codes(x, y, z)
+            e = spare_codes(x, y, z, True)
             s = lookup_dots(None, qp[0], qp[1], x, LUT_LO, LUT_HI)
             s = lookup_dots(s, qp[2], qp[3], z, LUT_LO, LUT_HI)
             s = lookup_dots(s, qp[4], qp[5], e, LUT_LO, LUT_HI)
@@ -251,7 +250,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             x = tl.load(kw, mask=tok_ok[:, None], other=0)
             y = tl.load(kw + 16, mask=tok_ok[:, None], other=0)
             z = tl.load(kw + 32, mask=tok_ok[:, None] & (r32[None, :] < 16), other=0)
-            e = spare_codes(x, y, z)
+            e = spare_codes(x, y, z, False)
             s = gather_dots(None, qp[0], qp[1], x, table)
             s = gather_dots(s, qp[2], qp[3], z, table)
             s = gather_dots(s, qp[4], qp[5], e, table)
@@ -266,21 +265,21 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             s = lookup_dots(None, qp[0], qp[1], p0, LUT_LO, LUT_HI)
             s = lookup_dots(s, qp[2], qp[3], p1, LUT_LO, LUT_HI)
             s = lookup_dots(s, qp[4], qp[5], p2, LUT_LO, LUT_HI)
-            s = lookup_dots(s, qp[6], qp[7], spare_codes(p0, p1, p2), LUT_LO, LUT_HI)
+            s = lookup_dots(s, qp[6], qp[7], spare_codes(p0, p1, p2, True), LUT_LO, LUT_HI)
         else:
             kp = pool_ptr + (plane[:, None] + off[:, None] * KB + jj[None, :])
             p0 = tl.load(kp, mask=tok_ok[:, None], other=0)
             p1 = tl.load(kp + J, mask=tok_ok[:, None], other=0)
             p2 = tl.load(kp + 2 * J, mask=tok_ok[:, None], other=0)
-            p67 = spare_codes(p0, p1, p2)
+            p67 = spare_codes(p0, p1, p2, False)
             s = gather_dots(None, qp[0], qp[1], p0, table)
             s = gather_dots(s, qp[2], qp[3], p1, table)
             s = gather_dots(s, qp[4], qp[5], p2, table)
             s = gather_dots(s, qp[6], qp[7], p67, table)
     elif KEY_BITS == 3:
         kc = unpack3(pool_ptr, plane, off * KB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
-        if KEY_POLY:
-            k = odd_poly_centroids(kc, KP1, KP3, KP5, KP7)
+        if KEY_LUT:  # 4 codes per prmt selector (key_lut.lut3_codes_asm)
+            k = tl.inline_asm_elementwise(LUT_LO, LUT_CODES_CONSTRAINTS, [kc], dtype=tl.float16, is_pure=True, pack=4)
         else:
             k = tl.gather(table, kc, 1)
         s = tl.dot(q16, tl.trans(k))

@@ -120,8 +120,6 @@ def _attn_kernel(
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
-    KEY_POLY: tl.constexpr, KP1: tl.constexpr, KP3: tl.constexpr, KP5: tl.constexpr, KP7: tl.constexpr,  # 3-bit
-    # bit-stream keys' centroids by the odd polynomial a1 x + a3 x^3 + a5 x^5 + a7 x^7, x = code - 3.5 (else gathered)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (else Triton integer ops)
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (load_meta_pairs), prefetched a tile ahead
@@ -284,7 +282,7 @@ def _attn_kernel(
         row_scale = row_scale * 1.4426950408889634
         if HAS_KEY_OFFSET:
             row_off = q_mu * 1.4426950408889634
-    if not KEY_LUT and not KEY_POLY and (KEY_BITS == 3 or KEY_BITS == 4):
+    if not KEY_LUT and (KEY_BITS == 3 or KEY_BITS == 4):
         nc = tl.arange(0, NC)
         table = tl.broadcast_to(tl.load(cent_ptr + nc).to(tl.float16)[None, :], (BLOCK_N, NC))
 
@@ -337,7 +335,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, blk_c, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc,
             vcol, HALF, VALUE_COLS, HEADS_PER_PROGRAM, D, CODE_GROUPS, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_POLY, KP1, KP3, KP5, KP7, KEY_WORDS, VALUE_WORDS, VALUE_PLANES,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES,
             PLANE_WORDS, VALUE_PTX, META_PAIRS, META_WORDS, VMID_CHAIN, False)
     for i in range(0, n_head + tl.cdiv(end - body_end, BLOCK_N)):
         t0 = tl.where(i < n_head, start, body_end + (i - n_head) * BLOCK_N)
@@ -345,7 +343,7 @@ def _attn_kernel(
             t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, acc2, acc3, bias_acc,
             bt_row, None, pool_ptr, block_bytes, head_off, sub, plane_bytes, q_lo, q_hi, q16, qp, table, row_scale, row_off, q_mu, hc, dc, vcol,
             HALF, VALUE_COLS, HEADS_PER_PROGRAM, D, CODE_GROUPS, T, KB, VB, META, KEY_BITS, VALUE_BITS, BLOCK_M, BLOCK_N, HAS_KV_START, HAS_PREFIX,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_POLY, KP1, KP3, KP5, KP7, KEY_WORDS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_KEY_OFFSET, KEY_LUT, LUT_LO, LUT_HI, KEY_PLANES, KEY_WORDS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_PTX,
             META_PAIRS, META_WORDS, VMID_CHAIN, True)
 
     # ---- exact tiles, after the walk (none of their state is live through it) ----------------

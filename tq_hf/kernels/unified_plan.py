@@ -13,7 +13,7 @@ import triton
 from ..layout import BlockLayout, key_planes, value_planes
 from .codec_tensors import next_pow2
 from .device import DeviceTraits
-from .key_lut import (config_lut3_words, config_lut_bytes, config_lut_words, config_poly3, lut3_asm, lut_asm,
+from .key_lut import (config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut3_codes_asm, lut_asm,
                       lut_words_asm)
 from .launch_config import NO_REGISTER_CAP, LaunchConfig
 from .plan import AttentionPlan
@@ -51,15 +51,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 3-bit keys stored as 8 code planes (layout.key_planes): one dot per plane, by the same byte permutes
     use_planes = key_planes(cfg, d)
     words3 = config_lut3_words(cfg, d) if use_planes and decode and ptx and wants_lut else None
-    # 3-bit bit-stream keys (head_dims whose planes do not fill an MMA's K): centroids by their odd polynomial in the
-    # code, 7 float ops where the table's gather compiled to ~16 compare-and-select instructions (sm_90a SASS)
-    poly = config_poly3(cfg, d) if cfg.key_bits == 3 and not use_planes else None
-    if launch.key_poly and poly is None:
-        raise ValueError(f"LaunchConfig key_poly=True needs 3-bit codebook keys stored as a bit stream with odd "
-                         f"centroids, got {cfg.key_bits}-bit {'codebook' if cfg.uses_codebook else 'FP8'} keys at "
-                         f"head_dim {d} ({'code planes' if use_planes else 'bit stream'})")
-    if launch.key_poly is False:
-        poly = None
+    # 3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K), on a GPU: 4 unpacked codes per
+    # byte permute (key_lut.lut3_codes_asm), where the gather lowered to ~16 compare-and-selects per code (Triton 3.9)
+    stream3 = cfg.uses_codebook and cfg.key_bits == 3 and not use_planes
+    if stream3 and decode and ptx and _pick(launch.key_lut, True):
+        words3 = config_lut3_words(cfg, d)
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
@@ -243,10 +239,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         EXACT_16=exact16, RING_Q8=ring_q8,
         VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
-        LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (lut3_asm(words3, False) if words3 else ""),
-        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (lut3_asm(words3, True) if words3 else ""),
-        KEY_PLANES=use_planes, VALUE_PLANES=planes_v, KEY_POLY=poly is not None,
-        **dict(zip(("KP1", "KP3", "KP5", "KP7"), poly or (0.0,) * 4)),
+        LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (
+            (lut3_codes_asm(words3) if stream3 else lut3_asm(words3, False)) if words3 else ""),
+        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (
+            lut3_asm(words3, True) if words3 and not stream3 else ""),
+        KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
