@@ -55,6 +55,18 @@ def test_four_bit_key_lookup_decodes_in_the_mma_operand_layout():
     assert int(line.split("shared ")[1].split(" B")[0]) <= 3 * 2 * 128 * 128, out
 
 
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow
+def test_three_bit_key_lookups_compile():
+    """3-bit decode with its byte-permute asm compiles for sm_90a (ptxas reads the asm text the interpreter never
+    runs): the bit stream's 4-codes-per-selector lookup at head_dim 64, the planes' spare-code asm at 128."""
+    stdout, out = _compile_check("--presets", "k3v4,3bit", "--head-dims", "64,128", "--modes", "decode", "--levers",
+                                 "on")
+    for preset in ("k3v4", "3bit"):
+        for head_dim in (64, 128):
+            assert f"attention decode {preset} head_dim {head_dim} levers" in stdout, out
+
+
 BROKEN_KERNEL_TEST = '''
 import torch
 import triton
