@@ -153,12 +153,16 @@ def _attend_history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     b, hq, lq, d = q.shape
     hk, length = k.shape[1], k.shape[2]
     h = length - lq
-    stacked = q.reshape(b * hk, 1, hq // hk * lq, d)  # head kv * G + g's rows at g * Lq + i of KV head kv's
+    q = q.contiguous()
+    stacked = q.view(b * hk, 1, hq // hk * lq, d)  # head kv * G + g's rows at g * Lq + i of KV head kv's
     o_hist, lse_hist = _attention_lse(stacked, k[:, :, :h].reshape(b * hk, 1, h, d),
                                       v[:, :, :h].reshape(b * hk, 1, h, d), scale, causal=False)
     o_own, lse_own = _attention_lse(q, k[:, :, h:], v[:, :, h:], scale, causal=True)
-    # softmax over both pieces: the history's share of each row's weight is sigmoid(lse_hist - lse_own)
-    share = torch.sigmoid(lse_hist.reshape(b, hq, lq, 1) - lse_own.reshape(b, hq, lq, 1))
+    # softmax over both pieces: the history's share of each row's weight is sigmoid(lse_hist - lse_own); each
+    # log-sum-exp read as [.., rows] (a backend may add a trailing unit axis or pad the rows)
+    lse_hist = lse_hist.flatten(2)[..., : hq // hk * lq].reshape(b, hq, lq, 1)
+    lse_own = lse_own.flatten(2)[..., :lq].reshape(b, hq, lq, 1)
+    share = torch.sigmoid(lse_hist - lse_own)
     return torch.lerp(o_own.float(), o_hist.reshape(b, hq, lq, d).float(), share).to(q.dtype)
 
 
