@@ -50,12 +50,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     words = config_lut_words(cfg, d) if decode and ptx and wants_lut else None
     # 3-bit keys stored as 8 code planes (layout.key_planes): one dot per plane, by the same byte permutes
     use_planes = key_planes(cfg, d)
-    words3 = config_lut3_words(cfg, d) if use_planes and decode and ptx and wants_lut else None
     # 3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K), on a GPU: 4 unpacked codes per
-    # byte permute (key_lut.lut3_codes_asm), where the gather lowered to ~16 compare-and-selects per code (Triton 3.9)
+    # byte permute (key_lut.lut3_codes_asm) at any such head_dim, where the gather lowered to ~16 compare-and-selects
+    # per code (Triton 3.9)
     stream3 = cfg.uses_codebook and cfg.key_bits == 3 and not use_planes
-    if stream3 and decode and ptx and _pick(launch.key_lut, True):
-        words3 = config_lut3_words(cfg, d)
+    lut3 = wants_lut if use_planes else stream3 and _pick(launch.key_lut, True)
+    words3 = config_lut3_words(cfg, d) if lut3 and decode and ptx else None
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
