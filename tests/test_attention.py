@@ -3,11 +3,14 @@ odd shapes against reference math, and the errors users get."""
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
 from models import PLAIN_LEVERS, FAMILIES, assert_close, fake_quantize, left_padded_batch, tiny_model, tq_config, with_cache
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -200,6 +203,77 @@ def test_no_state_survives_into_a_forward_without_the_cache():
     real = mask.bool()[:, :, None]
     assert (with_tq * real - before * real).abs().max() > 1e-3  # the cache really changed the attention
 
+
+
+# ---- the eager decode step waits on nothing --------------------------------------------------------
+# aten ops after which a CUDA host waits for the device: a value read back (item, bool, int) or an output sized by
+# the data (nonzero and kin). One per layer and token would serialize the host's launches with the device's work.
+DEVICE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique",
+                          "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount"})
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the DEVICE_READS ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in DEVICE_READS:
+            self.seen[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _prefill_and_decode(model, cache, ids, mask, steps: int, reads=None):
+    """A prefill, then `steps` one-token forwards (under `reads` where given)."""
+    model(input_ids=ids, attention_mask=mask, **with_cache(cache))
+    for _ in range(steps):
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        with reads or contextlib.nullcontext():
+            model(input_ids=ids[:, -1:], attention_mask=mask, **with_cache(cache))
+
+
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "3bit"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("lengths", [(9, 14), (150, 200)], ids=["centering-open", "settled"])
+def test_eager_decode_step_reads_nothing_back_from_the_device(family, preset, lengths):
+    """The kernel path as a GPU runs it (launches stubbed, planned as on an H200), left-padded rows: from a cache's
+    first decode step on, a one-token forward dispatches no op that waits for the device, in the cache's update, the
+    mask or the attention; on prompts short of the key-centering means' window (the general update) and past it
+    (a settled layer's steady step). A first cache warms the memoized codec constants, computed once on the CPU."""
+    from eval.host_overhead import stubbed_launches
+
+    model = tiny_model(family)
+    ids, mask, _ = left_padded_batch(lengths, seed=3)
+    reads = _DeviceReads()
+    with stubbed_launches():
+        _prefill_and_decode(model, TurboQuantCache(model.config, preset=preset), ids, mask, 1)
+        cache = TurboQuantCache(model.config, preset=preset)
+        _prefill_and_decode(model, cache, ids, mask, 3, reads)
+    assert cache.get_seq_length() == ids.shape[1] + 3
+    assert not reads.seen, f"a decode step waits for the device in {dict(reads.seen)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["4bit", "k8v4", "3bit"])
+def test_gpu_eager_decode_steps_do_not_synchronize(preset):
+    """torch's own sync detector over real decode steps on the GPU (left padding, a sliding-window family)."""
+    model = tiny_model("gemma3", dtype=torch.float16, device="cuda")
+    ids, mask, _ = left_padded_batch([9, 14], seed=3, device="cuda")
+    _prefill_and_decode(model, TurboQuantCache(model.config, preset=preset), ids, mask, 1)
+    cache = TurboQuantCache(model.config, preset=preset)
+    model(input_ids=ids, attention_mask=mask, **with_cache(cache))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+            logits = model(input_ids=ids[:, -1:], attention_mask=mask, **with_cache(cache)).logits
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(logits).all()
 
 # ---- errors -----------------------------------------------------------------------------------------
 def test_output_attentions_is_rejected_by_name():
