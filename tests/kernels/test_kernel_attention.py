@@ -819,11 +819,11 @@ def test_gpu_hadamard_choices(preset, q_len, hadamard):
     assert seen["HADAMARD"] is False, seen
 
 
-@pytest.mark.parametrize("options,maxnreg", [(False, 168), (True, 128)])
-def test_gpu_three_bit_register_caps(options, maxnreg):
-    """The 3bit preset's planes at B=16 on an H200: the plain format in 168 registers, with centering and
-    value rotation in 128 (measured each way)."""
-    layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
+@pytest.mark.parametrize("preset,options,maxnreg", [("3bit", False, 168), ("3bit", True, None), ("k3v4", True, 128)])
+def test_gpu_three_bit_register_caps(preset, options, maxnreg):
+    """3-bit key planes at B=16 on an H200: the 3bit plain format in 168 registers, with centering and value
+    rotation uncapped; k3v4 in 128 (measured each way)."""
+    layout = make_layout(preset, 8, 128, key_centering=options, value_rotation=options)
     pool, table = fill_cache(layout, [64] * 16, "cpu")
     kw = {"key_offset": torch.zeros(8, 128)} if options else {}
     seen = _gpu_launch(torch.randn(16, 32, 1, 128), pool, layout, table, torch.full((16,), 65), 0.1,

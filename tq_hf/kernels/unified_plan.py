@@ -98,8 +98,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         elif cfg.key_bits == 8 and d == 128 and on_gpu:
             maxnreg = 128  # FP8 keys: 128 registers at any batch (2 programs per SM uncapped)
         elif words3 and d == 128 and batch_fills_gpu:
-            # 3-bit code planes (uncapped 255 registers with spills); the 3bit plain format fits 168 better
-            maxnreg = 168 if cfg.value_bits == 3 and plain_format else 128
+            # 3-bit code planes: k3v4 in 128 registers; 3bit's plain format in 168, with the levers uncapped (B=16
+            # S=32k: 0.564 ms against 0.583 in 168 and 0.63 in 128, which spilled)
+            maxnreg = (168 if plain_format else None) if cfg.value_bits == 3 else 128
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch, plain format: 2-warp programs on 128-token tiles, twice the splits (levers: slower)
             block_n, narrow = 128, True
