@@ -149,11 +149,13 @@ def test_three_bit_key_planes(preset, head_dim, q_len, num_splits, options):
 
 
 @pytest.mark.parametrize("preset,head_dim,q_len,options", [
-    ("k3v4", 64, 1, True), ("3bit", 64, 5, False), ("3bit", 32, 1, True), ("k3v4", 96, 3, False)])
+    ("k3v4", 64, 1, True), ("3bit", 64, 5, False), ("3bit", 32, 1, True), ("k3v4", 96, 3, False),
+    ("3bit", 48, 2, True)])
 def test_three_bit_bit_stream_keys(preset, head_dim, q_len, options):
     """3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K), unpacked by joins: on the
     CPU gathered from the centroid table (a GPU plans the byte-permute lookup, key_lut.lut3_codes_asm: the PTX
-    emulator's test and the gpu tests)."""
+    emulator's test and the gpu tests). Head_dim 48: rows of 18 bytes, groups
+    straddling 32-bit words."""
     rotation = {} if head_dim & (head_dim - 1) == 0 else {"rotation": "random"}
     layout = make_layout(preset, 2, head_dim, key_centering=options, value_rotation=options, **rotation)
     mu = torch.randn(2, head_dim, device=DEVICE) * 3 if options else None
