@@ -14,9 +14,11 @@ And the compressed-mode causal prefill (prefill_attention="compressed": store, t
 against fp16 causal SDPA.
 
     python -m eval.bench_chunks [--points 1x32768x64 ...] [--prefill-lengths 8192] [--presets 4bit k8v4]
+                                [--time-budget 300]
 
 Writes OUT_DIR/TAG.json and TAG.md (the command at the top) and TAG.png: time over masked fp16 SDPA against
-the query count at the first point's batch and history length.
+the query count at the first point's batch and history length; rewritten after every point, so a run cut short
+keeps what it timed.
 """
 
 from __future__ import annotations
@@ -108,16 +110,26 @@ def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill:
     return cell
 
 
-def run(args) -> dict:
+def run(args, checkpoint=None) -> dict:
+    """Every point, then every prefill length, in order; `checkpoint(results)` after each, so a killed run keeps its
+    figures. Those not started within args.time_budget seconds are listed as skipped."""
     import triton
+
+    started = time.perf_counter()
+
+    def budget_spent() -> bool:
+        return args.time_budget is not None and time.perf_counter() - started > args.time_budget
 
     flush = _flush_buffer()
     results = {"command": "python -m eval.bench_chunks " + " ".join(args.argv), "gpu": torch.cuda.get_device_name(),
                "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                "shape": "/".join(map(str, SHAPE)), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                "timing": "median of eager calls (CUDA-graph replays for Lq <= 8), L2 flushed", "points": [],
-               "prefill": []}
+               "prefill": [], "skipped": [], "time_budget_s": args.time_budget}
     for b, s, lq in args.points:
+        if budget_spent():
+            results["skipped"].append(f"{b}x{s}x{lq}")
+            continue
         masked, flash = sdpa_baselines(b, s, lq, args.reps, flush)
         row = {"B": b, "S": s, "Lq": lq, "sdpa_masked_ms": masked, "flash_lower_right_ms": flash}
         print(f"B={b} S={s} Lq={lq}: fp16 SDPA masked {masked:.4f} ms, flash lower-right {flash:.4f} ms", flush=True)
@@ -125,7 +137,12 @@ def run(args) -> dict:
             row[preset] = cell = time_routes(preset, b, s, lq, args.reps, flush)
             print(f"    {preset:5s} " + "  ".join(f"{k} {v:.4f}" for k, v in cell.items()), flush=True)
         results["points"].append(row)
+        if checkpoint is not None:
+            checkpoint(results)
     for s in args.prefill_lengths:
+        if budget_spent():
+            results["skipped"].append(f"prefill {s}")
+            continue
         hq, hk, d = SHAPE
         q = torch.randn(1, hq, s, d, device="cuda", dtype=torch.float16)
         k = torch.randn(1, hk, s, d, device="cuda", dtype=torch.float16)
@@ -138,6 +155,8 @@ def run(args) -> dict:
             row[preset] = cell = time_routes(preset, 1, 0, s, args.reps, flush, prefill=True)
             print(f"    {preset:5s} " + "  ".join(f"{k} {v:.4f}" for k, v in cell.items()), flush=True)
         results["prefill"].append(row)
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 
@@ -168,6 +187,8 @@ def markdown(results: dict) -> str:
              if "dense_vs_unified_rel" in r.get(p, {})]
     if diffs:
         lines += ["", f"Largest relative difference between the two routes' outputs: {max(diffs):.2e}"]
+    if results.get("skipped"):
+        lines += ["", f"Not timed (time budget of {results['time_budget_s']:.0f} s spent): " + ", ".join(results["skipped"])]
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-lengths", type=int, nargs="*", default=[8192], help="compressed-mode prefill lengths")
     ap.add_argument("--presets", nargs="*", default=PRESETS, choices=PRESETS)
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (median reported)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds; points (then prefill lengths) not started within it are skipped and listed")
     ap.add_argument("--out-dir", default="eval/results")
     ap.add_argument("--tag", default="chunks_bench", help="output file stem")
     args = ap.parse_args(argv)
@@ -227,8 +250,9 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_chunks needs a CUDA GPU")
     torch.manual_seed(0)
-    results = run(args)
-    write_report(Path(args.out_dir), args.tag, results, markdown(results), plot)
+    out = Path(args.out_dir)
+    results = run(args, lambda partial: write_report(out, args.tag, partial, markdown(partial), plot, echo=False))
+    write_report(out, args.tag, results, markdown(results), plot)
 
 
 if __name__ == "__main__":

@@ -561,14 +561,15 @@ def main(argv=None) -> None:
                  markdown(results), decode_plot)
 
 
-def write_report(out: Path, tag: str, results: dict, md: str, plot) -> None:
+def write_report(out: Path, tag: str, results: dict, md: str, plot, echo: bool = True) -> None:
     """OUT/TAG.json (every figure), TAG.md (the table) and TAG.png (plot(path, results), where it draws one); the
-    table printed."""
+    table printed unless echo=False (a checkpoint of a run still going)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{tag}.json").write_text(json.dumps(results, indent=1))
     (out / f"{tag}.md").write_text(md)
     plot(out / f"{tag}.png", results)
-    print(md)
+    if echo:
+        print(md)
 
 
 if __name__ == "__main__":

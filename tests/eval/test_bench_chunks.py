@@ -46,3 +46,32 @@ def test_plot_draws_a_curve_over_the_query_count(tmp_path):
     one = _results()
     one["points"] = one["points"][:1]
     assert not plot(tmp_path / "one.png", one)
+
+
+def test_points_past_the_time_budget_are_listed_and_each_point_is_checkpointed(monkeypatch):
+    """run() on the CPU with the GPU's parts stubbed and a clock that advances 100 s per timed point: with a budget
+    of 150 s the first two points are timed (the second starts at 100 s), the rest and the prefill are listed as
+    skipped, and the checkpoint sees the results after each timed point."""
+    import eval.bench_chunks as bc
+
+    clock = iter(range(0, 10_000, 100))
+    now = [0.0]
+    monkeypatch.setattr(bc.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(bc, "_flush_buffer", lambda: None)
+    monkeypatch.setattr(bc.torch.cuda, "get_device_name", lambda *a: "GPU")
+
+    def baselines(b, s, lq, reps, flush):
+        now[0] = float(next(clock) + 100)
+        return 1.0, 0.5
+
+    monkeypatch.setattr(bc, "sdpa_baselines", baselines)
+    monkeypatch.setattr(bc, "time_routes", lambda *a, **k: {"unified_ms": 0.25})
+    args = parse_args(["--points", "1x1024x8", "1x1024x64", "1x1024x512", "--presets", "4bit", "--prefill-lengths",
+                       "8192", "--time-budget", "150"])
+    seen = []
+    results = bc.run(args, lambda r: seen.append([p["Lq"] for p in r["points"]]))
+    assert [p["Lq"] for p in results["points"]] == [8, 64]
+    assert results["skipped"] == ["1x1024x512", "prefill 8192"] and results["prefill"] == []
+    assert seen == [[8], [8, 64]]
+    assert "Not timed (time budget of 150 s spent): 1x1024x512, prefill 8192" in markdown(results)
+    assert parse_args([]).time_budget is None  # no budget unless asked
