@@ -245,7 +245,8 @@ def _time_preset(args, preset: str, q: torch.Tensor, s: int, hk: int, sdpa: floa
     return {"ms": ms, "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, **floor_fields(cbytes, ms, copy_gbps)}
 
 
-def bench_decode(args, flush, results):
+def bench_decode(args, flush, results, checkpoint=None):
+    """Every decode point; `checkpoint()` after each, so a run cut short keeps what it timed."""
     shapes, batches, lengths, presets = decode_grid(args)
     gbps = copy_bandwidth(max(5, args.reps // 2), flush)
     results.update(copy_GBps=gbps, copy_convention=COPY_CONVENTION)
@@ -267,6 +268,8 @@ def bench_decode(args, flush, results):
                   f"floor {cell['floor_ms']:.4f} ms x{cell['ratio_vs_floor']:.2f}", flush=True)
         results["decode"].append(row)
         torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint()
 
 
 def bench_prefill(args, flush, results):
@@ -548,17 +551,18 @@ def main(argv=None) -> None:
                "decode": [], "prefill": [], "store_step": [], "skipped": [], "tune": []}
     flush = _flush_buffer()
     t0 = time.time()
+    out, tag = Path(args.out_dir), args.tag or ("kernels_bench_quick" if args.quick else "kernels_bench")
     if args.tune:
         bench_tune(args, flush, results)
     if "decode" not in args.skip:
-        bench_decode(args, flush, results)
+        bench_decode(args, flush, results,
+                     lambda: write_report(out, tag, results, markdown(results), decode_plot, echo=False))
     if "prefill" not in args.skip:
         bench_prefill(args, flush, results)
     if "store" not in args.skip:
         bench_store_step(args, flush, results)
     results["wall_s"] = time.time() - t0
-    write_report(Path(args.out_dir), args.tag or ("kernels_bench_quick" if args.quick else "kernels_bench"), results,
-                 markdown(results), decode_plot)
+    write_report(out, tag, results, markdown(results), decode_plot)
 
 
 def write_report(out: Path, tag: str, results: dict, md: str, plot, echo: bool = True) -> None:
