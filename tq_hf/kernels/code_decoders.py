@@ -29,12 +29,7 @@ VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
 def nibbles_to_f16(b, HIGH: tl.constexpr):
     """uint8 codes -> fp16 (low nibble) or fp16 16 x (high nibble), exact, by the 0x6400 trick:
     (0x6400 | n) read as fp16 is 1024 + n."""
-    w = b.to(tl.uint16)
-    if HIGH:
-        w = (w & 0xF0) | 0x6400
-    else:
-        w = (w & 0x0F) | 0x6400
-    return w.to(tl.float16, bitcast=True) - 1024.0
+    return codes_to_f16(b.to(tl.uint16) & (0xF0 if HIGH else 0x0F))
 
 
 @triton.jit
@@ -104,7 +99,7 @@ def value_plane_bytes(low, high, c, J: tl.constexpr, D: tl.constexpr):
     a = (2 * J + c // (D // 4))[None, :]
     half = ((c % (D // 4)) // (D // 8))[None, :]
     code = ((low >> (2 * a)) & 3) | (((high >> (2 * a + half)) & 1) << 2)
-    return (code | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True) - 1024.0
+    return codes_to_f16(code)
 
 
 @triton.jit
