@@ -9,7 +9,7 @@ history plus themselves. Each point times, on one CUDA GPU and in one run:
 - each preset as TurboQuantCache runs it (every lever at its default, the forward's own tokens in its ring of
   recent_window + Lq exact tokens) by its two routes: the unified kernel, and the dense route (kernels/history.py:
   the history dequantized once, then flash attention), which the cache takes for forwards of many queries over
-  unpadded rows (history.dense_history_min_queries); with the largest relative difference between the two.
+  unpadded rows (history.dense_history_serves); with the largest relative difference between the two.
 And the compressed-mode causal prefill (prefill_attention="compressed": store, then attend over the pool),
 against fp16 causal SDPA.
 
@@ -37,8 +37,10 @@ from .bench_kernels import PRESETS, _fill_pool, _flush_buffer, forward_buffers, 
 from .common import without_out_dir
 
 SHAPE = (32, 8, 128)  # Hq, Hk, D: Llama-3.1-8B
-DEFAULT_POINTS = ["1x32768x1", "1x32768x8", "1x32768x16", "1x32768x32", "1x32768x64", "1x32768x128",
-                  "1x32768x256", "1x32768x512", "4x16384x256", "1x16384x2048"]
+# over 32k, then where the two routes cross at shorter histories and at B=4 (history.dense_history_serves)
+DEFAULT_POINTS = ["1x32768x1", "1x32768x8", "1x32768x16", "1x32768x32", "1x32768x48", "1x32768x64", "1x32768x96",
+                  "1x32768x128", "1x32768x256", "1x32768x512", "4x16384x256", "1x16384x2048", "1x4096x64",
+                  "1x4096x256", "4x8192x64", "4x8192x128"]
 
 
 def parse_point(text: str) -> tuple[int, int, int]:
@@ -74,7 +76,7 @@ def sdpa_baselines(b: int, s: int, lq: int, reps: int, flush) -> tuple[float, fl
 
 def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill: bool = False) -> dict:
     """One preset's unified and dense routes at a point (the store included for a compressed prefill)."""
-    from tq_hf.kernels import dense_history_attention, store_kv, unified_attention
+    from tq_hf.kernels import dense_history_attention, dense_history_serves, store_kv, unified_attention
     from tq_hf.layout import BlockLayout
 
     hq, hk, d = SHAPE
@@ -96,7 +98,8 @@ def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill:
     def dense():
         outs["dense"] = dense_history_attention(q, pool, layout, table, seq, scale, total, key_offset=mu, **extra)
 
-    cell = {"unified_ms": time_ms(unified, reps, lq <= 8, flush)}
+    cell = {"unified_ms": time_ms(unified, reps, lq <= 8, flush),
+            "cache_route": "dense" if dense_history_serves(q, layout, total, **extra) else "unified"}
     if lq > 1:
         cell["dense_ms"] = time_ms(dense, reps, False, flush)
         a, c = outs["unified"].float(), outs["dense"].float()
@@ -167,8 +170,8 @@ def markdown(results: dict) -> str:
              f"Hq/Hk/D {results['shape']}, fp16; {results['timing']}", "",
              "Cells: ms (x over fp16 SDPA with the mask). Presets with every lever at its default; the forward's "
              "own tokens exact. unified: the unified kernel; dense: the history dequantized once, then flash "
-             "attention (kernels/history.py; TurboQuantCache takes it for forwards of many queries over unpadded "
-             "rows, docs/performance.md says from how many).", "",
+             "attention (kernels/history.py). In bold the route TurboQuantCache takes (history.dense_history_serves: "
+             "the dense one for enough queries x history over unpadded rows).", "",
              "| B | S | Lq | fp16 SDPA masked | fp16 flash lower-right | " +
              " | ".join(f"{p} unified | {p} dense" for p in presets) + " |",
              "|---|---|---|---|---|" + "---|---|" * len(presets)]
@@ -197,8 +200,9 @@ def _route_cells(row: dict, presets: list[str], base: float, plus: str | None = 
     cells = []
     for p in presets:
         c = row.get(p, {})
-        cells += [_cell(c[f"{route}_ms"] + (c[plus] if plus else 0.0), base) if f"{route}_ms" in c else "-"
-                  for route in ("unified", "dense")]
+        for route in ("unified", "dense"):
+            cell = _cell(c[f"{route}_ms"] + (c[plus] if plus else 0.0), base) if f"{route}_ms" in c else "-"
+            cells.append(f"**{cell}**" if c.get("cache_route") == route else cell)
     return cells
 
 

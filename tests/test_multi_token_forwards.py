@@ -253,8 +253,8 @@ def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, chu
     reference.py on CUDA."""
     from tq_hf.kernels import history as dense_route  # (not `history`: the parameter of that name)
 
-    monkeypatch.setattr(dense_route, "DENSE_HISTORY_MIN_QUERIES", 64)  # (the tiny models' 256 positions)
-    monkeypatch.setattr(dense_route, "DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS", 64)
+    # from 64 queries (the tiny models' 256 positions are far below the real threshold)
+    monkeypatch.setattr(dense_route, "prefers_dense_route", lambda query, layout, length: query.shape[2] >= 64)
     model = tiny_model(family, dtype=dtype, device="cuda")
     ids = prompt(PROMPT + 6, seed=4).cuda()
     cfg = TurboQuantConfig.from_preset("4bit", dense_layer_kl=None, chunk_history_tokens=history)

@@ -114,6 +114,19 @@ def test_dense_history_matches_reference(preset, head_dim, rows, length, q_len, 
     _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len, recent)
 
 
+def test_history_rotated_back_where_it_has_fewer_rows_than_the_queries(monkeypatch):
+    """A forward whose query rows outnumber the history's (Hq x Lq > Hk x length: a compressed prefill) rotates the
+    dense copy back instead of rotating the queries and outputs; both ways match the reference."""
+    seen = []
+    real = history.rotates_history
+    monkeypatch.setattr(history, "rotates_history", lambda *a: seen.append(real(*a)) or seen[-1])
+    _check("4bit", 64, 2, 40, 40, 3, torch.float16, 4, (24, 0))  # 6 x 40 query rows against 2 x 40
+    _check("k3v4", 128, 1, 30, 30, 2, torch.bfloat16, 2, (16, 0))  # value rotation only
+    _check("4bit", 64, 2, 50, 30, 2, torch.float32, 3, (20, 0), per_row_offset=True)
+    _check("4bit", 64, 2, 70, 20, 3, torch.float32, 4, (40, 3))  # 6 x 20 query rows against 2 x 70: queries rotated
+    assert seen == [True, True, True, False]
+
+
 def test_rows_in_groups_and_per_row_means(monkeypatch):
     """Rows beyond the dense budget go in later groups, each with its own centering means."""
     monkeypatch.setattr(history, "DENSE_HISTORY_BYTES", 2 * 2 * 40 * 64 * 4)  # one row of 40 positions, fp32
@@ -169,17 +182,28 @@ def test_refused_cudnn_warns_once_and_takes_one_sdpa_call(monkeypatch):
 
 def test_dense_history_serves_only_what_it_can():
     layout = make_layout("4bit", 2, 64, **LEVERS["4bit"])
-    q = torch.zeros(1, 4, history.DENSE_HISTORY_MIN_QUERIES, 64, dtype=torch.float16)
-    assert dense_history_serves(q, layout, 1000)
-    three_bit = make_layout("k3v4", 2, 64)
-    assert history.dense_history_min_queries(three_bit) == history.DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS
-    assert dense_history_serves(q[:, :, : history.DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS], three_bit, 1000)
+    length = 8192
+    # query rows x positions at the 4-bit threshold: 2 query heads per KV head
+    lq = -(-history.DENSE_HISTORY_MIN_WORK // (2 * length))
+    assert lq <= length
+    q = torch.zeros(1, 4, lq, 64, dtype=torch.float16)
+    assert dense_history_serves(q, layout, length)
+    assert not dense_history_serves(q[:, :, 1:], layout, length), "less work: the unified kernel"
+    assert dense_history_serves(q[:, :, 1:], layout, 2 * length), "a longer history: more work"
+    assert dense_history_serves(torch.cat([q[:, :, : lq // 2 + 1]] * 2), layout, length), "work summed over rows"
+    thresholds = {"3bit": history.DENSE_HISTORY_MIN_WORK_3BIT, "k3v4": history.DENSE_HISTORY_MIN_WORK_3BIT_KEYS,
+                  "k8v4": history.DENSE_HISTORY_MIN_WORK_FP8_KEYS, "4bit": history.DENSE_HISTORY_MIN_WORK}
+    for preset, work in thresholds.items():
+        other = make_layout(preset, 2, 64)
+        assert history.dense_history_min_work(other) == work, preset
+        assert dense_history_serves(q[:, :, : -(-work // (2 * length))], other, length), preset
+        assert not dense_history_serves(q[:, :, : work // (2 * length) - 1], other, length), preset
     assert not dense_history_serves(q, layout, None), "no common length"
-    assert not dense_history_serves(q[:, :, 1:], layout, 1000), "fewer queries: the unified kernel"
-    assert not dense_history_serves(q.float(), layout, 1000), "float32: no flash attention"
+    assert not dense_history_serves(q.float(), layout, length), "float32: no flash attention"
+    assert not dense_history_serves(q[..., :12], layout, length), "head_dim not a multiple of 8"
     for name, value in (("kv_start", torch.zeros(1)), ("sliding_window", 64), ("softcap", 30.0),
                         ("sinks", torch.zeros(4))):
-        assert not dense_history_serves(q, layout, 1000, **{name: value}), name
+        assert not dense_history_serves(q, layout, length, **{name: value}), name
     assert not dense_history_serves(q, layout, history.DENSE_HISTORY_BYTES), "one row over the budget"
 
 
@@ -207,7 +231,8 @@ def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, rows, monk
     monkeypatch.setattr(history, "splits_history", lambda *a: split.append(real_split(*a)) or split[-1])
     monkeypatch.setattr(history, "_CUDNN_REFUSED", set())
     layout = make_layout(preset, 8, 128, block_size=64, **LEVERS[preset])
-    length, q_len = 3001, max(300, history.dense_history_min_queries(layout))
+    length = 3001
+    q_len = max(300, -(-history.dense_history_min_work(layout) // (rows * 4 * length)))
     offset = torch.randn(8, 128, device="cuda") if layout.config.key_centering else None
     pool, table = fill_cache(layout, [length] * rows, "cuda", key_offset=offset)
     kw = poisoned_exact_buffers(pool, layout, table, [length] * rows, [0] * rows, 4, (128 + q_len, 0), dtype, "cuda")
@@ -218,7 +243,7 @@ def test_paged_attention_takes_the_dense_route_on_cuda(preset, dtype, rows, monk
     got = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, length=length, **kw)
     unified = ops.paged_attention(query, pool, layout, table, seq, scale, key_offset=offset, **kw)
     assert taken == [1]
-    tiles = rows * 8 * 10  # 128-row tiles of 4 x 300 stacked query rows per KV head
+    tiles = rows * 8 * -(-4 * q_len // 128)  # 128-row tiles of 4 x q_len stacked query rows per KV head
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert split == [tiles >= history.SPLIT_HISTORY_TILES_PER_SM * sms]
     assert not history._CUDNN_REFUSED
@@ -239,6 +264,12 @@ def test_strided_out_and_large_activations():
     got = dense_history_attention(query, pool, layout, table, torch.tensor([40], device=DEVICE), 0.125, 40,
                                   out=buffer.transpose(1, 2), key_offset=torch.zeros(2, 64, device=DEVICE))
     assert got.data_ptr() == buffer.data_ptr() and torch.isfinite(buffer).all()
+    # a compressed prefill's shape (every position a query): the dense copy is rotated back, and saturates too
+    query = torch.randn(1, 4, 40, 64, device=DEVICE, dtype=torch.float16) * 1e-3
+    assert history.rotates_history(query, layout, 40)
+    got = dense_history_attention(query, pool, layout, table, torch.tensor([40], device=DEVICE), 0.125, 40,
+                                  key_offset=torch.zeros(2, 64, device=DEVICE))
+    assert torch.isfinite(got).all()
 
 
 def test_no_room_for_the_dense_copy_falls_back_to_the_unified_kernel(monkeypatch):
@@ -247,8 +278,9 @@ def test_no_room_for_the_dense_copy_falls_back_to_the_unified_kernel(monkeypatch
 
     layout = make_layout("k8v4", 2, 64, **LEVERS["k8v4"])
     pool, table = fill_cache(layout, [300])
-    q = torch.randn(1, 4, history.DENSE_HISTORY_MIN_QUERIES, 64, device=DEVICE, dtype=torch.float16)
+    q = torch.randn(1, 4, 160, 64, device=DEVICE, dtype=torch.float16)
     seq = torch.tensor([300], device=DEVICE)
+    monkeypatch.setattr(history, "prefers_dense_route", lambda *a: True)
     calls = []
 
     def no_room(*args, **kwargs):

@@ -14,7 +14,7 @@ right (docs/performance.md has the figures behind the switch).
 
 The dense copy is transient: a group of rows at a time, within DENSE_HISTORY_BYTES. It serves unpadded rows of
 one common length without a sliding window, logit softcapping or attention sinks (dense_history_serves); the
-unified kernel serves everything else and forwards of fewer queries.
+unified kernel serves everything else and forwards of less work (fewer queries or a shorter history).
 """
 
 from __future__ import annotations
@@ -35,10 +35,14 @@ from .dequantize import dequantize_rotated
 from .device import device_traits
 from .fast_launch import device_of
 
-# queries per row from which the dense route is taken: where it measured faster than the unified kernel, eager, on
-# an H200 (docs/performance.md); earlier with 3-bit keys, whose decode costs the unified kernel most
-DENSE_HISTORY_MIN_QUERIES = 256
-DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS = 128
+# The dense route from this much unified-kernel work: query rows (query heads per KV head x queries, summed over the
+# batch) x positions. The unified kernel decodes the history once per tile of query rows and runs one launch; the
+# dense route decodes it once but costs ~0.3-0.5 ms of host time per call. Where the two crossed in eval.bench_chunks
+# (H100, 32/8/128 fp16, B=1 and 4, S=4k-32k, 32-512 queries; docs/performance.md), by the format's key and value bits:
+DENSE_HISTORY_MIN_WORK_3BIT = 64 << 16  # 3-bit keys and values (3bit): 32 queries over 32k
+DENSE_HISTORY_MIN_WORK_3BIT_KEYS = 96 << 16  # 3-bit keys, 4-bit values (k3v4): 48 queries over 32k
+DENSE_HISTORY_MIN_WORK_FP8_KEYS = 128 << 16  # FP8 keys (k8v4): 64 queries over 32k
+DENSE_HISTORY_MIN_WORK = 160 << 16  # 4-bit keys and anything else: 80 queries over 32k, 160 over 16k
 DENSE_HISTORY_BYTES = 1 << 30  # the dense K/V of one group of rows; rows beyond it go in later groups
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # the history attended apart from the forward's own tokens once its stacked query rows make this many 128-row
@@ -50,19 +54,30 @@ _CUDNN_REFUSED: set[tuple] = set()  # (device, dtype, head_dim) where cuDNN atte
 
 def dense_history_serves(query: torch.Tensor, layout: BlockLayout, length: int | None, kv_start=None,
                          sliding_window=None, sinks=None, softcap=None, **_) -> bool:
-    """Whether dense_history_attention takes this forward: enough queries, a flash-attention dtype and head size,
-    unpadded rows of a known common length, one row's dense K/V within the budget, none of the features SDPA
-    lacks (sliding window, softcap, sinks)."""
+    """Whether dense_history_attention takes this forward: enough work for the unified kernel (prefers_dense_route),
+    a flash-attention dtype and head size, unpadded rows of a known common length, one row's dense K/V within the
+    budget, none of the features SDPA lacks (sliding window, softcap, sinks)."""
     lq, d = query.shape[2], query.shape[3]
-    return (length is not None and lq >= dense_history_min_queries(layout) and lq <= length and kv_start is None
-            and sliding_window is None and sinks is None and softcap is None and query.dtype in FLASH_DTYPES
-            and d % 8 == 0 and d <= 256 and _row_bytes(layout, length, query.element_size()) <= DENSE_HISTORY_BYTES)
+    return (length is not None and lq <= length and kv_start is None and sliding_window is None and sinks is None
+            and softcap is None and query.dtype in FLASH_DTYPES and d % 8 == 0 and d <= 256
+            and _row_bytes(layout, length, query.element_size()) <= DENSE_HISTORY_BYTES
+            and prefers_dense_route(query, layout, length))
 
 
-def dense_history_min_queries(layout: BlockLayout) -> int:
-    """Queries per row from which a forward over this format takes the dense route."""
-    three_bit_keys = layout.config.uses_codebook and layout.config.key_bits == 3
-    return DENSE_HISTORY_MIN_QUERIES_3BIT_KEYS if three_bit_keys else DENSE_HISTORY_MIN_QUERIES
+def prefers_dense_route(query: torch.Tensor, layout: BlockLayout, length: int) -> bool:
+    """Whether query [B, Hq, Lq, D] over `length` positions is enough work to pay for the dense route."""
+    b, hq, lq, _ = query.shape
+    return b * (hq // layout.num_kv_heads) * lq * length >= dense_history_min_work(layout)
+
+
+def dense_history_min_work(layout: BlockLayout) -> int:
+    """Query rows x positions from which a forward over this format takes the dense route."""
+    cfg = layout.config
+    if cfg.uses_codebook and cfg.key_bits == 3:
+        return DENSE_HISTORY_MIN_WORK_3BIT if cfg.value_bits == 3 else DENSE_HISTORY_MIN_WORK_3BIT_KEYS
+    if not cfg.uses_codebook and cfg.key_bits == 8:
+        return DENSE_HISTORY_MIN_WORK_FP8_KEYS
+    return DENSE_HISTORY_MIN_WORK
 
 
 def _row_bytes(layout: BlockLayout, length: int, element_size: int) -> int:
@@ -89,9 +104,14 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
         out = torch.empty_like(query)
     dtype = query.dtype
     rot_t, vrot, vrot_t = _rotations(layout, str(pool.device), dtype)
-    q = query if rot_t is None else query @ rot_t
+    # the dense copy comes out in the rotation spaces: rotated back where it has fewer rows than the queries (a
+    # compressed prefill: Hq x Lq > Hk x length), else the queries and outputs are rotated instead
+    unrotate = rotates_history(query, layout, length) and (rot_t is not None or vrot is not None)
+    q = query if rot_t is None or unrotate else query @ rot_t
+    if unrotate:  # the exact tokens then join the history as they are
+        rot_t, vrot, vrot_t, back_k, back_v = None, None, None, rot_t, vrot_t
     mean = key_offset  # (int8 ring key records hold keys less the unrotated mean)
-    if key_offset is not None and rot_t is not None:
+    if key_offset is not None and layout.config.uses_codebook:
         key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
     group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
     with device_of(pool):
@@ -99,6 +119,8 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
             rows = slice(r0, min(b, r0 + group))
             offset = key_offset[rows] if key_offset is not None and key_offset.dim() == 3 else key_offset
             k, v = dequantize_rotated(pool, layout, block_table[rows], length, dtype, offset)
+            if unrotate:  # (K R^T) R = K, (V Rv^T) Rv = V; fp16 saturates as the dequantization does
+                k, v = (x if back is None else _saturated(x @ back.T) for x, back in ((k, back_k), (v, back_v)))
             lo = length
             if recent_keys is not None:  # the ring serves [lo, length), over the prefix where they meet
                 lo = max(recent_from, length - recent_keys.shape[2], 0)
@@ -111,8 +133,33 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
                 k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
                 v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
             o = _attend(q[rows], k, v, scale)
-            out[rows] = o if vrot is None else o @ vrot
+            if vrot is None:
+                out[rows] = o
+            else:
+                _matmul_into(out[rows], o, vrot)
     return out
+
+
+def rotates_history(query: torch.Tensor, layout: BlockLayout, length: int) -> bool:
+    """Whether the dense history is rotated back rather than the queries and outputs rotated: it has fewer rows."""
+    return query.shape[1] * query.shape[2] > layout.num_kv_heads * length
+
+
+def _saturated(x: torch.Tensor) -> torch.Tensor:
+    """x with fp16's overflow to inf clamped back to its largest finite value (in place; other dtypes as they are)."""
+    return x.clamp_(-65504.0, 65504.0) if x.dtype == torch.float16 else x
+
+
+def _matmul_into(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor) -> None:
+    """dst = x @ m, written in place without a temporary where dst's strides are a permutation of a contiguous
+    layout with the last axis last (a fresh output, or the attention function's [B, Lq, Hq, D] buffer seen as
+    [B, Hq, Lq, D]); else through one."""
+    order = sorted(range(dst.dim() - 1), key=lambda i: -dst.stride(i)) + [dst.dim() - 1]
+    target = dst.permute(order)
+    if target.is_contiguous():
+        torch.matmul(x.permute(order), m, out=target)
+    else:
+        dst.copy_(x @ m)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
