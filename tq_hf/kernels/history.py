@@ -36,13 +36,15 @@ from .device import device_traits
 from .fast_launch import device_of
 
 # The dense route from this much unified-kernel work: query rows (query heads per KV head x queries, summed over the
-# batch) x positions. The unified kernel decodes the history once per tile of query rows and runs one launch; the
-# dense route decodes it once but costs ~0.3-0.5 ms of host time per call. Where the two crossed in eval.bench_chunks
-# (H100, 32/8/128 fp16, B=1 and 4, S=4k-32k, 32-512 queries; docs/performance.md), by the format's key and value bits:
-DENSE_HISTORY_MIN_WORK_3BIT = 64 << 16  # 3-bit keys and values (3bit): 32 queries over 32k
-DENSE_HISTORY_MIN_WORK_3BIT_KEYS = 96 << 16  # 3-bit keys, 4-bit values (k3v4): 48 queries over 32k
-DENSE_HISTORY_MIN_WORK_FP8_KEYS = 128 << 16  # FP8 keys (k8v4): 64 queries over 32k
-DENSE_HISTORY_MIN_WORK = 160 << 16  # 4-bit keys and anything else: 80 queries over 32k, 160 over 16k
+# batch) x positions. The unified kernel decodes the history once per tile of query rows in one launch; the dense
+# route decodes it once but costs 0.3-0.9 ms of host time per call, by the machine. eval.bench_chunks (32/8/128
+# fp16, S=4k-32k) put the crossover over 32k at 80 (4bit), 56 (k8v4), 44 (k3v4) and 32 (3bit) queries on an H100
+# host that launched the dense route in 0.3-0.5 ms, at ~200, ~128, ~128 and ~90 on an H200 host whose launches were
+# about twice as slow; the thresholds sit between the two (docs/performance.md), by the format's key and value bits:
+DENSE_HISTORY_MIN_WORK_3BIT = 112 << 16  # 3-bit keys and values (3bit): 56 queries over 32k
+DENSE_HISTORY_MIN_WORK_3BIT_KEYS = 144 << 16  # 3-bit keys, 4-bit values (k3v4): 72 queries over 32k
+DENSE_HISTORY_MIN_WORK_FP8_KEYS = 160 << 16  # FP8 keys (k8v4): 80 queries over 32k
+DENSE_HISTORY_MIN_WORK = 256 << 16  # 4-bit keys and anything else: 128 queries over 32k, 256 over 16k
 DENSE_HISTORY_BYTES = 1 << 30  # the dense K/V of one group of rows; rows beyond it go in later groups
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # the history attended apart from the forward's own tokens once its stacked query rows make this many 128-row
