@@ -127,6 +127,26 @@ def test_history_rotated_back_where_it_has_fewer_rows_than_the_queries(monkeypat
     assert seen == [True, True, True, False]
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_without_an_out_buffer_the_result_is_the_same(groups, monkeypatch):
+    """No `out`: the attention's own output (rotated back) is returned, or with rows in several groups a new buffer;
+    the same values as into a given buffer, and every row written."""
+    if groups > 1:
+        monkeypatch.setattr(history, "DENSE_HISTORY_BYTES", 2 * 2 * 40 * 64 * 2)  # one row of 40 positions, fp16
+    layout = make_layout("4bit", 2, 64, **LEVERS["4bit"])
+    pool, table = fill_cache(layout, [40] * 3, key_offset=torch.zeros(2, 64, device=DEVICE))
+    seq = torch.full((3,), 40, device=DEVICE)
+    for q_len in (12, 40):  # queries rotated, then the history rotated back
+        query = torch.randn(3, 4, q_len, 64, device=DEVICE, dtype=torch.float16)
+        buffer = torch.full_like(query, float("nan"))
+        kw = dict(key_offset=torch.zeros(2, 64, device=DEVICE))
+        into = dense_history_attention(query, pool, layout, table, seq, 0.125, 40, out=buffer, **kw)
+        fresh = dense_history_attention(query, pool, layout, table, seq, 0.125, 40, **kw)
+        assert into is buffer and fresh.shape == query.shape and fresh.dtype == query.dtype
+        assert torch.isfinite(fresh).all()
+        torch.testing.assert_close(fresh, into, atol=1e-3, rtol=1e-3)  # (a GPU may pick another matmul algorithm)
+
+
 def test_rows_in_groups_and_per_row_means(monkeypatch):
     """Rows beyond the dense budget go in later groups, each with its own centering means."""
     monkeypatch.setattr(history, "DENSE_HISTORY_BYTES", 2 * 2 * 40 * 64 * 4)  # one row of 40 positions, fp32

@@ -93,7 +93,7 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
                             recent_values: torch.Tensor | None = None, recent_from: int = 0) -> torch.Tensor:
     """reference.paged_attention for rows that all hold `length` positions, no padding: query [B, Hq, Lq, D], the
     last Lq positions of each row; seq_lens (each row's `length`) is not read. The exact buffers and key_offset are
-    as unified_attention takes them. Returns `out` (allocated if None) in query's dtype."""
+    as unified_attention takes them. Returns `out`, or without one a new tensor, in query's dtype."""
     check_attention_inputs(query, pool, layout, block_table, seq_lens, None, None, out, scale, None, None)
     b, lq = query.shape[0], query.shape[2]
     if not isinstance(length, int) or not lq <= length <= block_table.shape[1] * layout.block_size:
@@ -102,8 +102,6 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     key_offset, _ = check_key_offset(key_offset, layout, pool.device, rows=b)
     prefix_len = check_prefix(prefix_keys, prefix_values, layout, b, pool.device)
     check_recent(recent_keys, recent_values, layout, b, pool.device)
-    if out is None:
-        out = torch.empty_like(query)
     dtype = query.dtype
     rot_t, vrot, vrot_t = _rotations(layout, str(pool.device), dtype)
     # the dense copy comes out in the rotation spaces: rotated back where it has fewer rows than the queries (a
@@ -116,6 +114,8 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     if key_offset is not None and layout.config.uses_codebook:
         key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
     group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
+    if out is None and not 0 < b <= group:
+        out = torch.empty_like(query)
     with device_of(pool):
         for r0 in range(0, b, group):
             rows = slice(r0, min(b, r0 + group))
@@ -135,6 +135,8 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
                 k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
                 v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
             o = _attend(q[rows], k, v, scale)
+            if out is None:  # every row in one group and no buffer given: the attention's output is the result
+                return o if vrot is None else o @ vrot
             if vrot is None:
                 out[rows] = o
             else:
