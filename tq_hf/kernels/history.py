@@ -4,7 +4,7 @@ The unified kernel decodes the history once per tile of 64 query rows: from a fe
 re-reads and re-decodes the whole history several times and runs 2-4.6x fp16 SDPA (docs/performance.md). Here the
 history is dequantized once (dequantize.py, in the rotation spaces), the exact tokens (prefix, ring, the
 forward's own) written over their positions, and torch attends over it. Queries and outputs are rotated instead
-of the history: a few rows against every position.
+of the history (a few rows against every position), unless the history has the fewer rows (a compressed prefill).
 
 Where a forward's queries fill the GPU, the history and the forward's own tokens are attended apart and merged by
 their log-sum-exp: the history without a mask, with each KV head's G x Lq query rows stacked into one sequence
