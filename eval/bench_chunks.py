@@ -9,7 +9,8 @@ history plus themselves. Each point times, on one CUDA GPU and in one run:
 - each preset as TurboQuantCache runs it (every lever at its default, the forward's own tokens in its ring of
   recent_window + Lq exact tokens) by its two routes: the unified kernel, and the dense route (kernels/history.py:
   the history dequantized once, then flash attention), which the cache takes for forwards of many queries over
-  unpadded rows (history.dense_history_serves); with the largest relative difference between the two.
+  unpadded rows (history.dense_history_serves); with the largest relative difference between the two, and each
+  route's host time per call (the GPU kept busy), which decides where the dense route pays.
 And the compressed-mode causal prefill (prefill_attention="compressed": store, then attend over the pool),
 against fp16 causal SDPA.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +76,25 @@ def sdpa_baselines(b: int, s: int, lq: int, reps: int, flush) -> tuple[float, fl
     return masked, flash
 
 
+def host_ms(fn, reps: int, keep_busy=None) -> float:
+    """Median host time of fn() in ms, the device kept busy meanwhile (by default a ~1 ms sleep kernel queued
+    before each call), so no launch waits on it: what a call costs the CPU, which decides where the dense route pays
+    (history.dense_history_serves)."""
+    if keep_busy is None:
+        keep_busy = lambda: torch.cuda._sleep(2_000_000)  # noqa: E731
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    synchronize()
+    times = []
+    for _ in range(reps):
+        keep_busy()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        synchronize()
+    return 1e3 * statistics.median(times)
+
+
 def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill: bool = False) -> dict:
     """One preset's unified and dense routes at a point (the store included for a compressed prefill)."""
     from tq_hf.kernels import dense_history_attention, dense_history_serves, store_kv, unified_attention
@@ -102,6 +123,7 @@ def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill:
             "cache_route": "dense" if dense_history_serves(q, layout, total, **extra) else "unified"}
     if lq > 1:
         cell["dense_ms"] = time_ms(dense, reps, False, flush)
+        cell["unified_host_ms"], cell["dense_host_ms"] = host_ms(unified, reps), host_ms(dense, reps)
         a, c = outs["unified"].float(), outs["dense"].float()
         cell["dense_vs_unified_rel"] = float((a - c).norm() / a.norm())
     if prefill:
@@ -179,6 +201,15 @@ def markdown(results: dict) -> str:
         base = r["sdpa_masked_ms"]
         lines.append(f"| {r['B']} | {r['S']} | {r['Lq']} | {base:.4f} | {_cell(r['flash_lower_right_ms'], base)} | "
                      + " | ".join(_route_cells(r, presets, base)) + " |")
+    hosted = [r for r in results["points"] if any("dense_host_ms" in r.get(p, {}) for p in presets)]
+    if hosted:
+        lines += ["", "Host time per call, ms (the GPU kept busy, so no launch waits): unified / dense. The dense "
+                  "route pays where its device time saved exceeds the difference.", "",
+                  "| B | S | Lq | " + " | ".join(presets) + " |", "|---|---|---|" + "---|" * len(presets)]
+        for r in hosted:
+            cells = [f"{r[p]['unified_host_ms']:.3f} / {r[p]['dense_host_ms']:.3f}" if "dense_host_ms" in r.get(p, {})
+                     else "-" for p in presets]
+            lines.append(f"| {r['B']} | {r['S']} | {r['Lq']} | " + " | ".join(cells) + " |")
     if results["prefill"]:
         lines += ["", "## Compressed-mode causal prefill (B=1): store + attention over the pool", "",
                   "| S | fp16 causal SDPA | " + " | ".join(f"{p} unified | {p} dense" for p in presets) + " |",

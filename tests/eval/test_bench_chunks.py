@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from eval.bench_chunks import markdown, parse_args, parse_point, plot
+from eval.bench_chunks import host_ms, markdown, parse_args, parse_point, plot
 
 
 def test_points_parse_and_refuse_nonsense():
@@ -24,7 +24,8 @@ def _results():
     for lq, unified, dense in ((1, 0.05, None), (64, 0.3, 0.2), (512, 2.0, 0.6)):
         cell = {"unified_ms": unified, "cache_route": "dense" if lq == 512 else "unified"}
         if dense is not None:
-            cell.update(dense_ms=dense, dense_vs_unified_rel=1e-3 * lq / 64)
+            cell.update(dense_ms=dense, dense_vs_unified_rel=1e-3 * lq / 64, unified_host_ms=0.045,
+                        dense_host_ms=0.3 + lq / 1e4)
         points.append({"B": 1, "S": 32768, "Lq": lq, "sdpa_masked_ms": 0.8, "flash_lower_right_ms": 0.4, "4bit": cell})
     prefill = [{"S": 8192, "sdpa_causal_ms": 1.0, "4bit": {"unified_ms": 3.0, "dense_ms": 1.0, "store_ms": 0.2,
                                                           "dense_vs_unified_rel": 2e-3, "cache_route": "dense"}}]
@@ -41,6 +42,24 @@ def test_table_states_each_route_over_masked_sdpa():
     assert "| 8192 | 1.0000 | 3.2000 (x3.20) | **1.2000 (x1.20)** |" in md  # the store counted in both routes
     assert "k8v4" not in md  # presets not timed get no column
     assert "difference between the two routes' outputs: 8.00e-03" in md
+
+
+def test_host_time_table_lists_the_points_with_both_routes():
+    md = markdown(_results())
+    assert "| 1 | 32768 | 64 | 0.045 / 0.306 |" in md and "| 1 | 32768 | 512 | 0.045 / 0.351 |" in md
+    assert "| 1 | 32768 | 1 |" not in md.split("Host time per call")[1]  # decode: no dense route, no row
+
+
+def test_host_ms_times_the_call_not_the_device():
+    """The call's own duration, median over the reps, with the busy-keeper run before each (not timed)."""
+    import time
+
+    order = []
+    busy = lambda: order.append("busy") or time.sleep(0.05)  # noqa: E731
+    call = lambda: order.append("call") or time.sleep(0.002)  # noqa: E731
+    ms = host_ms(call, 3, keep_busy=busy)
+    assert 1.5 <= ms < 40
+    assert order == ["call"] + ["busy", "call"] * 3
 
 
 def test_plot_draws_a_curve_over_the_query_count(tmp_path):
