@@ -81,7 +81,8 @@ def test_dequantize_rotated_matches_gather(preset, head_dim, lens, per_row_offse
         torch.testing.assert_close(got, want[:, :, :length], atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, recent=None, per_row_offset=False):
+def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, recent=None, per_row_offset=False,
+           ring_records=False):
     """dense_history_attention vs reference.paged_attention; the pool poisoned where exact buffers serve."""
     layout = make_layout(preset, 2, head_dim, **LEVERS[preset])
     offset = None
@@ -90,7 +91,8 @@ def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, re
         offset = torch.randn(shape, device=DEVICE)
     lens = [length] * rows
     pool, table = fill_cache(layout, lens, key_offset=offset)
-    kw = poisoned_exact_buffers(pool, layout, table, lens, [0] * rows, prefix_len, recent, dtype, DEVICE)
+    kw = poisoned_exact_buffers(pool, layout, table, lens, [0] * rows, prefix_len, recent, dtype, DEVICE,
+                                ring_records=ring_records)
     query = torch.randn(rows, 2 * group, q_len, head_dim, device=DEVICE).to(dtype)
     seq_lens = torch.tensor(lens, device=DEVICE)
     scale = default_scale(head_dim)
@@ -124,7 +126,11 @@ def test_history_rotated_back_where_it_has_fewer_rows_than_the_queries(monkeypat
     _check("k3v4", 128, 1, 30, 30, 2, torch.bfloat16, 2, (16, 0))  # value rotation only
     _check("4bit", 64, 2, 50, 30, 2, torch.float32, 3, (20, 0), per_row_offset=True)
     _check("4bit", 64, 2, 70, 20, 3, torch.float32, 4, (40, 3))  # 6 x 20 query rows against 2 x 70: queries rotated
-    assert seen == [True, True, True, False]
+    # the ring as int8 records (the codebook presets' default; a compressed prefill reads the layer's ring), the keys
+    # less the unrotated mean: both ways
+    _check("4bit", 64, 2, 40, 40, 3, torch.float16, 4, (24, 0), per_row_offset=True, ring_records=True)
+    _check("4bit", 64, 1, 70, 20, 3, torch.bfloat16, 0, (40, 3), ring_records=True)
+    assert seen == [True, True, True, False, True, False]
 
 
 @pytest.mark.parametrize("groups", [1, 3])
