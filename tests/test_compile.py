@@ -10,7 +10,9 @@ eager fixed-capacity cache must equal the growing cache: same positions, same by
 
 from __future__ import annotations
 
+import functools
 import inspect
+import traceback
 
 import pytest
 import torch
@@ -240,6 +242,44 @@ def test_other_attention_implementation_over_a_fixed_capacity():
                      max_new_tokens=6)
     assert torch.equal(fixed[0], growing[0])
     assert_close(fixed[1], growing[1], atol=1e-4, rtol=1e-4, what="sdpa logits")
+
+
+def test_generate_reads_nothing_back_between_compiled_steps(dynamo, monkeypatch):
+    """The mask generate() builds before each compiled step takes the queries' offset from the cache: after compiled
+    steps that is the device length, handed over as a tensor (as StaticLayer's), not read back (a GPU sync). Only the
+    prefill's preparation (eager; sdpa_mask may check its padding there) reads a tensor."""
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([7, 11], seed=9)
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=40)
+    generate(model, ids, mask, cache, max_new_tokens=4, compile_config=compile_config())  # traces the step
+    prepared, reads = [], []
+    prepare = model.prepare_inputs_for_generation
+
+    @functools.wraps(prepare)  # generate() reads its signature
+    def counted_prepare(*args, **kwargs):
+        prepared.append(1)
+        return prepare(*args, **kwargs)
+
+    def recording(name):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            if any(frame.name == "counted_prepare" for frame in traceback.extract_stack()):
+                reads.append((len(prepared), name))
+            return method(self, *args)
+        return read
+
+    cache.reset()
+    with monkeypatch.context() as patch:
+        patch.setattr(model, "prepare_inputs_for_generation", counted_prepare)
+        for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
+            patch.setattr(torch.Tensor, name, recording(name))
+        again = generate(model, ids, mask, cache, max_new_tokens=6, compile_config=compile_config())
+    assert len(prepared) == 6
+    steps = [(step, name) for step, name in reads if step > 1]
+    assert steps == [], f"host reads of tensors (step, method) while generate() prepared a decode step: {steps}"
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config()), max_new_tokens=6)
+    assert torch.equal(again[0], eager[0])
 
 
 def test_a_fixed_capacity_is_reused_across_generate_calls_without_reallocating():

@@ -1169,6 +1169,17 @@ class TurboQuantCache(Cache):
             return self._start_compressing(layer_idx, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
 
+    def get_query_offset(self, layer_idx: int = 0) -> int | torch.Tensor:
+        """The new queries' first position, for HF's mask. After compiled steps a fixed-capacity layer's length
+        lives on the device: it is returned there (a 0-d tensor, as StaticLayer's), so the mask that generate()
+        builds before every compiled step reads nothing back from the GPU."""
+        if torch.compiler.is_compiling():  # (a traced step reads seq_lens itself; no host flag to guard on)
+            return super().get_query_offset(layer_idx)
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        if isinstance(layer, TurboQuantLayer) and layer._length_on_device:
+            return layer.seq_lens[0]
+        return super().get_query_offset(layer_idx)
+
     def _check_batch_size(self, layer_idx: int, rows: int) -> None:
         """Runs on prefill only (an empty layer): one Python pass over the layers."""
         for i, other in enumerate(self.layers):
