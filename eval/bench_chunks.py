@@ -95,6 +95,11 @@ def host_ms(fn, reps: int, keep_busy=None) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _figure(value) -> str:
+    """A cell's value for the progress lines: figures to 4 decimals, words (the cache's route) as they are."""
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
 def time_routes(preset: str, b: int, s: int, lq: int, reps: int, flush, prefill: bool = False) -> dict:
     """One preset's unified and dense routes at a point (the store included for a compressed prefill)."""
     from tq_hf.kernels import dense_history_attention, dense_history_serves, store_kv, unified_attention
@@ -160,7 +165,7 @@ def run(args, checkpoint=None) -> dict:
         print(f"B={b} S={s} Lq={lq}: fp16 SDPA masked {masked:.4f} ms, flash lower-right {flash:.4f} ms", flush=True)
         for preset in args.presets:
             row[preset] = cell = time_routes(preset, b, s, lq, args.reps, flush)
-            print(f"    {preset:5s} " + "  ".join(f"{k} {v:.4f}" for k, v in cell.items()), flush=True)
+            print(f"    {preset:5s} " + "  ".join(f"{k} {_figure(v)}" for k, v in cell.items()), flush=True)
         results["points"].append(row)
         if checkpoint is not None:
             checkpoint(results)
@@ -178,7 +183,7 @@ def run(args, checkpoint=None) -> dict:
         print(f"compressed prefill S={s}: fp16 causal SDPA {causal:.4f} ms", flush=True)
         for preset in args.presets:
             row[preset] = cell = time_routes(preset, 1, 0, s, args.reps, flush, prefill=True)
-            print(f"    {preset:5s} " + "  ".join(f"{k} {v:.4f}" for k, v in cell.items()), flush=True)
+            print(f"    {preset:5s} " + "  ".join(f"{k} {_figure(v)}" for k, v in cell.items()), flush=True)
         results["prefill"].append(row)
         if checkpoint is not None:
             checkpoint(results)
