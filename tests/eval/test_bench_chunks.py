@@ -86,7 +86,9 @@ def test_points_past_the_time_budget_are_listed_and_each_point_is_checkpointed(m
         return 1.0, 0.5
 
     monkeypatch.setattr(bc, "sdpa_baselines", baselines)
-    monkeypatch.setattr(bc, "time_routes", lambda *a, **k: {"unified_ms": 0.25})
+    # a cell as time_routes gives it: figures and the cache's route as a word (the progress lines print both)
+    monkeypatch.setattr(bc, "time_routes", lambda *a, **k: {"unified_ms": 0.25, "cache_route": "unified",
+                                                             "dense_ms": 0.5})
     args = parse_args(["--points", "1x1024x8", "1x1024x64", "1x1024x512", "--presets", "4bit", "--prefill-lengths",
                        "8192", "--time-budget", "150"])
     seen = []
