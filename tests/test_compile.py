@@ -21,7 +21,7 @@ from models import assert_close, generate, left_padded_batch, tiny_model, tq_con
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
-from tq_hf import PRESETS, TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
+from tq_hf import PRESETS, TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig, reference
 from tq_hf.cache import TurboQuantLayer
 
 ATOL = 1e-5  # fp32 logits: the fixed cache reads the same bytes through a longer (masked) block table
@@ -244,6 +244,20 @@ def test_other_attention_implementation_over_a_fixed_capacity():
     assert_close(fixed[1], growing[1], atol=1e-4, rtol=1e-4, what="sdpa logits")
 
 
+def test_other_attention_implementation_compiles_over_a_fixed_capacity(dynamo):
+    """sdpa over a fixed-capacity cache, compiled: the dequantization (with the codebook it needs) stays out of the
+    trace, so the decode step is one graph, with the eager growing cache's tokens."""
+    model = tiny_model("llama", attn="sdpa")
+    cfg = tq_config()
+    ids = prompts()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40)
+    compiled = decode_loop(model, cache, torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=1e-4, rtol=1e-4, what="sdpa logits")
+
+
 def test_generate_reads_nothing_back_between_compiled_steps(dynamo, monkeypatch):
     """The mask generate() builds before each compiled step takes the queries' offset from the cache: after compiled
     steps that is the device length, handed over as a tensor (as StaticLayer's), not read back (a GPU sync). Only the
@@ -385,6 +399,12 @@ def test_custom_ops_pass_opcheck():
     expected = ops.paged_attention(query, pool, layout, table, seq_lens, 0.2, max_seq_len=2 * layout.block_size,
                                    recent_keys=ring_k, recent_values=ring_v)
     assert_close(out.transpose(1, 2), expected, atol=0, what="custom op vs direct call")
+    means = torch.randn(2, 2, 32)  # one key_centering mean per row
+    for offset in (None, means):
+        torch.library.opcheck(torch.ops.tq_hf.gather, (pool, index, table, offset))
+        got = torch.ops.tq_hf.gather(pool, index, table, offset)
+        want = reference.gather(pool, layout, table, offset)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 # ---- CUDA graphs (GPU) -----------------------------------------------------------------------------

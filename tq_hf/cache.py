@@ -796,7 +796,7 @@ class TurboQuantLayer(CacheLayerMixin):
         the length (a host int) by default; more: positions past the length hold whatever the pool holds."""
         tokens = self.length if tokens is None else tokens
         used = -(-tokens // self.layout.block_size)
-        k, v = reference.gather(self.pool, self.layout, self.block_table[:, :used], self.key_offset)
+        k, v = ops.gather(self.pool, self.layout, self.block_table[:, :used], self.key_offset)
         if self.prefix_keys is not None:
             k = reference.overlay_prefix(k, self.prefix_keys, self.kv_start)
             v = reference.overlay_prefix(v, self.prefix_values, self.kv_start)

@@ -178,6 +178,15 @@ def paged_attention_held(query: torch.Tensor, out: torch.Tensor, held: HeldLaunc
     return True
 
 
+def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
+           key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.gather: every slot of every row's blocks dequantized, (K, V) [B, H, NB * T, D] float32. Under
+    torch.compile a custom op: the codebook and rotations it builds on first use stay out of the trace."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tq_hf.gather(pool, layout_index(layout), block_table, key_offset)
+    return reference.gather(pool, layout, block_table, key_offset)
+
+
 # ---- the custom ops (what torch.compile sees) ----------------------------------------------------
 @torch.library.custom_op("tq_hf::store", mutates_args=("pool", "recent_keys", "recent_values", "seq_lens"))
 def _store_op(pool: torch.Tensor, layout: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
@@ -216,6 +225,19 @@ def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
 def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap, max_seq_len,
       key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from, workspace=None) -> torch.Tensor:
     return _query_major(query)
+
+
+@torch.library.custom_op("tq_hf::gather", mutates_args=())
+def _gather_op(pool: torch.Tensor, layout: int, block_table: torch.Tensor,
+               key_offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.gather(pool, _LAYOUTS[layout], block_table, key_offset)
+
+
+@_gather_op.register_fake
+def _(pool, layout, block_table, key_offset) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _LAYOUTS[layout]
+    shape = (block_table.shape[0], spec.num_kv_heads, block_table.shape[1] * spec.block_size, spec.head_dim)
+    return pool.new_empty(shape, dtype=torch.float32), pool.new_empty(shape, dtype=torch.float32)
 
 
 def decode_workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
