@@ -263,5 +263,8 @@ def test_gpu_chunked_prefill_kernels_match_the_reference_path(family, dtype, chu
         monkeypatch.setenv("TQ_HF_FORCE_REFERENCE", force)
         cache = TurboQuantCache(model.config, tq_config=cfg)
         runs.append(torch.cat([feed(model, cache, ids[:, :PROMPT], chunk), forced_decode(model, cache, ids, PROMPT, 6)], 1))
-    atol = 3e-2 if dtype == torch.float16 else 1e-3
+    # max |diff| of the two paths over these 3 x 2 x 3 cases: float32 2.5e-3 under Triton's interpreter, 1.8e-3 on an
+    # H100 (llama; the kernels' MMAs take 16-bit operands); float16 0.017 and 0.0625. A ring token attended through
+    # the pool instead (recent_from + 1 in the kernel path) moves float32 llama's logits by 2.4e-2.
+    atol = 0.1 if dtype == torch.float16 else 5e-3
     assert_close(runs[0], runs[1], atol=atol, rtol=1e-2, what=f"{family} {dtype} kernels vs reference")
