@@ -1173,11 +1173,10 @@ class TurboQuantCache(Cache):
         """The new queries' first position, for HF's mask. After compiled steps a fixed-capacity layer's length
         lives on the device: it is returned there (a 0-d tensor, as StaticLayer's), so the mask that generate()
         builds before every compiled step reads nothing back from the GPU."""
-        if torch.compiler.is_compiling():  # (a traced step reads seq_lens itself; no host flag to guard on)
-            return super().get_query_offset(layer_idx)
-        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
-        if isinstance(layer, TurboQuantLayer) and layer._length_on_device:
-            return layer.seq_lens[0]
+        if not torch.compiler.is_compiling():  # (a traced step reads seq_lens itself: no host flag to guard on)
+            layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+            if isinstance(layer, TurboQuantLayer) and layer._length_on_device:
+                return layer.seq_lens[0]
         return super().get_query_offset(layer_idx)
 
     def _check_batch_size(self, layer_idx: int, rows: int) -> None:
