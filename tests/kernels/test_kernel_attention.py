@@ -690,10 +690,11 @@ def test_gpu_exact_program_of_verification_forwards(preset, batch, q_len, exact_
 
 
 @pytest.mark.slow
-def test_three_bit_verification_forward_on_16_row_tiles():
-    """3bit, 8 new tokens over a history with every lever, on a GPU's 16-row tiles (two per KV head, each split over
-    the walk), against the reference."""
-    layout = make_layout("3bit", 2, 128, key_centering=True, value_rotation=True)
+@pytest.mark.parametrize("preset", ["3bit", "k3v4"])
+def test_three_bit_verification_forward_on_16_row_tiles(preset):
+    """3-bit keys, 8 new tokens over a history with every lever, on a GPU's 16-row tiles (two per KV head, each split
+    over the walk; k3v4's values as words), against the reference."""
+    layout = make_layout(preset, 2, 128, key_centering=True, value_rotation=True)
     _check(layout, [70, 141], 8, 4, prefix_len=4, recent=(24, 0), kv_start=torch.tensor([0, 5], device=DEVICE),
            launch=LaunchConfig(block_m=16), num_splits=3, **_fidelity_options(layout, 4))
 

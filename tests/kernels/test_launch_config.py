@@ -96,10 +96,11 @@ def test_launch_arguments_of_the_wrong_type_are_refused():
 
 @pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True)])
 def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
-    """An H200's split decode shares the ring's tiles out over its programs: int8 records at every batch, an exact
-    ring while the batch leaves SMs free (B=1), not once it fills them (B=16); an override decides either way."""
+    """An H200's split decode shares the ring's tiles out over its programs: int8 records at every batch (16-token
+    tiles at B=1), an exact ring while the batch leaves SMs free (B=1), not once it fills them (B=16); an override
+    decides either way."""
     layout = make_layout(preset, 8, 128)
-    spread = {}
+    spread, tiles = {}, {}
     for batch in (1, 16):
         shape = (batch, 8, 128, 144 if records else 128)
         ring = torch.zeros(shape, dtype=torch.int8 if records else torch.float16)
@@ -107,7 +108,10 @@ def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
         plan = plan_attention(*args, max_seq_len=32768, device_traits=H200, recent_keys=ring, recent_values=ring)
         assert plan.split
         spread[batch] = plan.constants["RING_SPREAD"]
+        tiles[batch] = plan.constants["RING_TILE"]
         forced = plan_attention(*args, max_seq_len=32768, device_traits=H200, recent_keys=ring, recent_values=ring,
                                 launch=LaunchConfig(ring_spread=not spread[batch]))
         assert forced.constants["RING_SPREAD"] is (not spread[batch])
     assert spread == {1: True, 16: records}
+    if records:  # 16-token record tiles while the batch leaves SMs free, 32 once it fills them
+        assert tiles == {1: 16, 16: 32}

@@ -209,6 +209,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     ring_n = min(32, max(16, next_pow2(recent_size)))  # the recent window's tile, tokens
     if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
         ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
+    if ring_q8 and split and decode and m_tiles == 1 and d == 128 and b * hk <= 16:
+        # int8 records shared out over a split decode's programs in 16-token tiles up to 2 x 8 KV heads: 4bit B=1
+        # S=32k 40.3 against 41.2 us (H200), 43.3 against 44.8 (H100); k3v4 50.7 against 52.7 (H100); B=16 slower
+        ring_n = 16
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
     # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
     # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
