@@ -428,6 +428,27 @@ def test_gpu_reduce_overhead_captures_the_decode_step(preset, recent_format, dyn
     assert_close(compiled[1], eager[1], atol=COMPILED_FP16_ATOL, rtol=2e-2, what=f"{preset} fp16 logits")
 
 
+@pytest.mark.gpu
+def test_gpu_other_attention_implementation_reads_the_dequantization_kernel(dynamo, monkeypatch):
+    """sdpa over a TurboQuantCache on CUDA reads the history through kernels.dequantize: the logits of the reference
+    path's (TQ_HF_FORCE_REFERENCE=1), and a fixed capacity under CUDA graphs keeps the eager tokens."""
+    model = tiny_model("llama", attn="sdpa", device="cuda")
+    cfg = tq_config()
+    ids = prompts().cuda()
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    with monkeypatch.context() as patch:
+        patch.setenv("TQ_HF_FORCE_REFERENCE", "1")
+        want = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg), model.forward, ids)
+    assert torch.equal(eager[0], want[0])
+    # the same codes (the store's contract) and the dequantization to ~2e-5; a skipped rotation moves them by ~1
+    assert_close(eager[1], want[1], atol=5e-3, rtol=1e-3, what="sdpa logits, kernels vs reference")
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=40),
+                           torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), ids)
+    assert_one_graph(dynamo)
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=5e-3, rtol=1e-3, what="sdpa logits, compiled")
+
+
 def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeypatch):
     """The CUDA path's launchers, recorded on CPU (delegating to the reference): every compiled decode step hands
     store_kv and unified_attention the same host-side arguments (start, max_seq_len, recent_from, ...), so a

@@ -184,6 +184,8 @@ def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
     torch.compile a custom op: the codebook and rotations it builds on first use stay out of the trace."""
     if torch.compiler.is_compiling():
         return torch.ops.tq_hf.gather(pool, layout_index(layout), block_table, key_offset)
+    if use_kernels(pool):
+        return _kernels().dequantize(pool, layout, block_table, key_offset)
     return reference.gather(pool, layout, block_table, key_offset)
 
 
@@ -230,7 +232,7 @@ def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_windo
 @torch.library.custom_op("tq_hf::gather", mutates_args=())
 def _gather_op(pool: torch.Tensor, layout: int, block_table: torch.Tensor,
                key_offset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.gather(pool, _LAYOUTS[layout], block_table, key_offset)
+    return gather(pool, _LAYOUTS[layout], block_table, key_offset)
 
 
 @_gather_op.register_fake

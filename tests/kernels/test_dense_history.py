@@ -17,7 +17,7 @@ import torch
 from tq_hf import ops, reference
 from tq_hf.layout import key_planes, value_planes
 from tq_hf.kernels import dense_history_attention, dense_history_serves, history
-from tq_hf.kernels.dequantize import code_pieces, dequantize_rotated
+from tq_hf.kernels.dequantize import code_pieces, dequantize, dequantize_rotated
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, fill_cache, make_layout,
                             poisoned_exact_buffers, rel_error)
@@ -79,6 +79,29 @@ def test_dequantize_rotated_matches_gather(preset, head_dim, lens, per_row_offse
     for name, got, want in (("keys", got_k, want_k), ("values", got_v, want_v)):
         assert not got.isnan().any(), f"{name}: unwritten positions"
         torch.testing.assert_close(got, want[:, :, :length], atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("preset,head_dim,lens,per_row_offset", [
+    ("4bit", 128, [37, 70], True), ("k8v4", 64, [21], False), ("k3v4", 128, [40, 9], False), ("3bit", 64, [19], True)])
+def test_dequantize_is_reference_gather(preset, head_dim, lens, per_row_offset):
+    """kernels.dequantize (what ops.gather runs on CUDA) returns reference.gather's K/V, rotations undone, over a
+    column slice of the block table as a cache layer passes it."""
+    layout = make_layout(preset, 2, head_dim, **LEVERS[preset])
+    offset = None
+    if layout.config.key_centering:
+        offset = torch.randn(*((len(lens),) if per_row_offset else ()), 2, head_dim, device=DEVICE)
+    pool, table = fill_cache(layout, lens, key_offset=offset)
+    used = table[:, : -(-max(lens) // layout.block_size)]
+    k, v = dequantize(pool, layout, used, offset)
+    want_k, want_v = reference.gather(pool, layout, used, offset)
+    for name, got, want in (("keys", k, want_k), ("values", v, want_v)):
+        assert got.shape == want.shape and got.dtype == torch.float32, (name, got.shape, got.dtype)
+        for row, n in enumerate(lens):  # (slots past a row's length hold whatever the pool holds)
+            torch.testing.assert_close(got[row, :, :n], want[row, :, :n], atol=2e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name}, row {row}: {m}")
+    if offset is not None:
+        with pytest.raises(ValueError, match="key_offset must be"):
+            dequantize(pool, layout, used, offset[..., :-1])
 
 
 def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, recent=None, per_row_offset=False,

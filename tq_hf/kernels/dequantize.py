@@ -20,7 +20,8 @@ import triton.language as tl
 
 from .. import reference
 from ..layout import BlockLayout, key_planes, value_planes
-from .codec_tensors import codec_tensors, next_pow2
+from .checks import check_key_offset, check_layout_pool, check_tensor
+from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .fast_launch import device_of
 
 DEQUANT_WARPS = 4  # per program of one block and head (docs/performance.md)
@@ -234,6 +235,24 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
             VALUE_HALF=((1 << cfg.value_bits) - 1) / 2, CODES=cent.numel(), CENT_LOAD=CENTROID_LOADS,
             HAS_KOFF=key_offset is not None, SATURATE=dtype == torch.float16, num_warps=DEQUANT_WARPS)
     return k, v
+
+
+def dequantize(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
+               key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.gather by the kernel: every slot of every row's blocks as (K, V), each [B, H, NB * T, D] float32 in
+    the model's space (the rotations undone by one matmul each), for attention implementations that read the
+    history dense. key_offset: the key_centering mean, [H, D] or [B, H, D]."""
+    check_layout_pool(pool, layout)
+    check_tensor("block_table", block_table, dim=2, dtypes=(torch.int32, torch.int64), device=pool.device)
+    key_offset, _ = check_key_offset(key_offset, layout, pool.device, rows=block_table.shape[0])
+    cfg, device = layout.config, str(pool.device)
+    rot = codec_tensors(layout, device)[0] if cfg.uses_codebook else None  # R: rotated = x @ R^T
+    if key_offset is not None and rot is not None:
+        key_offset = key_offset @ rot.T
+    k, v = dequantize_rotated(pool, layout, block_table, block_table.shape[1] * layout.block_size, torch.float32,
+                              key_offset)
+    vrot = value_rotation_tensor(layout, device) if cfg.value_rotation else None
+    return k if rot is None else k @ rot, v if vrot is None else v @ vrot
 
 
 @functools.lru_cache(maxsize=None)
