@@ -180,8 +180,8 @@ def paged_attention_held(query: torch.Tensor, out: torch.Tensor, held: HeldLaunc
 
 def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
            key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """reference.gather: every slot of every row's blocks dequantized, (K, V) [B, H, NB * T, D] float32. Under
-    torch.compile a custom op: the codebook and rotations it builds on first use stay out of the trace."""
+    """reference.gather: every slot of every row's blocks dequantized, (K, V) [B, H, NB * T, D] float32; the kernel
+    on CUDA. Under torch.compile a custom op: the codebook and rotations built on first use stay out of the trace."""
     if torch.compiler.is_compiling():
         return torch.ops.tq_hf.gather(pool, layout_index(layout), block_table, key_offset)
     if use_kernels(pool):

@@ -18,5 +18,5 @@ from .device import DeviceTraits, device_traits
 from .launch_config import LaunchConfig, StoreLaunchConfig
 from .store import HeldStore, store_kv, store_signature
 
-__all__ = ["DeviceTraits", "dense_history_attention", "dequantize", "dense_history_serves", "HeldAttention", "HeldStore", "held_signature", "LaunchConfig", "StoreLaunchConfig", "device_traits",
+__all__ = ["DeviceTraits", "dense_history_attention", "dense_history_serves", "dequantize", "HeldAttention", "HeldStore", "held_signature", "LaunchConfig", "StoreLaunchConfig", "device_traits",
            "plan_attention", "store_kv", "store_signature", "unified_attention"]

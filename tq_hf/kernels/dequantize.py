@@ -237,6 +237,13 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     return k, v
 
 
+def rotated_mean(layout: BlockLayout, key_offset: torch.Tensor | None) -> torch.Tensor | None:
+    """The key_centering mean in the key rotation's space, as dequantize_rotated takes it (FP8 keys: as it is)."""
+    if key_offset is None or not layout.config.uses_codebook:
+        return key_offset
+    return key_offset @ codec_tensors(layout, str(key_offset.device))[0].T
+
+
 def dequantize(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
                key_offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.gather by the kernel: every slot of every row's blocks as (K, V), each [B, H, NB * T, D] float32 in
@@ -247,10 +254,8 @@ def dequantize(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tenso
     key_offset, _ = check_key_offset(key_offset, layout, pool.device, rows=block_table.shape[0])
     cfg, device = layout.config, str(pool.device)
     rot = codec_tensors(layout, device)[0] if cfg.uses_codebook else None  # R: rotated = x @ R^T
-    if key_offset is not None and rot is not None:
-        key_offset = key_offset @ rot.T
     k, v = dequantize_rotated(pool, layout, block_table, block_table.shape[1] * layout.block_size, torch.float32,
-                              key_offset)
+                              rotated_mean(layout, key_offset))
     vrot = value_rotation_tensor(layout, device) if cfg.value_rotation else None
     return k if rot is None else k @ rot, v if vrot is None else v @ vrot
 

@@ -31,7 +31,7 @@ from ..layout import BlockLayout
 from ..reference import ring_offset, ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
-from .dequantize import dequantize_rotated
+from .dequantize import dequantize_rotated, rotated_mean
 from .device import device_traits
 from .fast_launch import device_of
 
@@ -111,8 +111,7 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     if unrotate:  # the exact tokens then join the history as they are
         rot_t, vrot, vrot_t, back_k, back_v = None, None, None, rot_t, vrot_t
     mean = key_offset  # (int8 ring key records hold keys less the unrotated mean)
-    if key_offset is not None and layout.config.uses_codebook:
-        key_offset = key_offset @ codec_tensors(layout, str(pool.device))[0].T
+    key_offset = rotated_mean(layout, key_offset)
     group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
     if out is None and not 0 < b <= group:
         out = torch.empty_like(query)
