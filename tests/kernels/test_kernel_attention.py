@@ -267,6 +267,22 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_red
            kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
 
 
+@pytest.mark.parametrize("preset,split", [("4bit", True), ("4bit", False), ("k8v4", False), ("k3v4", True)])
+def test_value_rotation_by_16_bit_dots(preset, split):
+    """The rotation back of 4-bit (and plane) values by 16-bit dots of Rv's +-1 entries (rotation_16bit): the
+    reference's attention, and the 3xTF32 epilogue's output to ~2**-20 in fp32 (a one-part split of the rows, or
+    a rotation entry off by a sign, is far outside that)."""
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE),
+              num_splits=3 if split else 1, **_fidelity_options(layout, 4))
+    torch.manual_seed(7)
+    got, want = _check(layout, [9, 70, 133], 1, 4, launch=LaunchConfig(rotation_16bit=True), **kw)
+    torch.manual_seed(7)
+    base, want_again = _check(layout, [9, 70, 133], 1, 4, launch=LaunchConfig(rotation_16bit=False), **kw)
+    assert torch.equal(want, want_again)  # the same inputs
+    assert rel_error(got, base) <= 2 ** -20, rel_error(got, base)
+
+
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
 @pytest.mark.slow
 def test_head_dim_256_split_decode_with_the_levers(preset):
@@ -424,13 +440,15 @@ def test_int8_ring_records_decode(preset, options, head_dim, dtype, exact_progra
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
 
 
-@pytest.mark.parametrize("records,spread", [(True, False), (False, True)])
-def test_ring_tiles_spread_over_the_splits(records, spread):
+@pytest.mark.parametrize("records,spread,q_len", [(True, False, 1), (False, True, 1), (False, True, 6)])
+def test_ring_tiles_spread_over_the_splits(records, spread, q_len):
     """Split decode with the ring's tiles shared out over the split programs, or walked by one (ring_spread): both
-    the reference's attention, for an exact ring and int8 records (whose default is to share them out)."""
+    the reference's attention, for an exact ring and int8 records (whose default is to share them out), and for a
+    verification forward's 16-row tiles (two per KV head, each with its share of the exact window)."""
     layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
-    _check(layout, [3, 37, 90], 1, 4, dtype=torch.float16, prefix_len=2, recent=(48, 0), ring_records=records,
-           num_splits=4, kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(ring_spread=spread),
+    launch = LaunchConfig(ring_spread=spread, ring_n=16, **({"block_m": 16} if q_len > 1 else {}))
+    _check(layout, [3, 37, 90], q_len, 4, dtype=torch.float16, prefix_len=2, recent=(48, 0), ring_records=records,
+           num_splits=4, kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=launch,
            **_fidelity_options(layout, 4))
 
 
@@ -644,16 +662,19 @@ def test_gpu_fp8_verification_tiles(q_len, block_m):
     assert (seen["BLOCK_M"], seen["VALUE_WORDS"]) == (block_m, block_m == 16), seen
 
 
+@pytest.mark.parametrize("preset", ["3bit", "k3v4"])
 @pytest.mark.parametrize("q_len,options,block_m", [(8, True, 16), (1, True, 16), (16, True, 64), (8, False, 32)])
-def test_gpu_three_bit_verification_tiles(q_len, options, block_m):
-    """3bit with its levers at head_dim 128, GQA 4, on an H200: a forward of up to 8 new tokens (32 rows) takes
+def test_gpu_three_bit_verification_tiles(preset, q_len, options, block_m):
+    """3-bit keys with the levers at head_dim 128, GQA 4, on an H200: a forward of up to 8 new tokens (32 rows) takes
     16-row tiles, each walking the history; 16 tokens, and the plain format, keep the wider tiles."""
-    layout = make_layout("3bit", 8, 128, key_centering=options, value_rotation=options)
+    layout = make_layout(preset, 8, 128, key_centering=options, value_rotation=options)
     pool, table = fill_cache(layout, [64], "cpu")
     kw = {"key_offset": torch.zeros(1, 8, 128)} if options else {}
     seen = _gpu_launch(torch.randn(1, 32, q_len, 128, dtype=torch.float16), pool, layout, table,
                        torch.tensor([64 + q_len]), 0.1, max_seq_len=32768, **kw)
     assert seen["BLOCK_M"] == block_m, seen
+    if preset == "k3v4" and block_m == 16:
+        assert seen["VALUE_WORDS"], seen
 
 
 @pytest.mark.parametrize("q_len,levers,block_m,key_words", [(8, True, 16, True), (5, True, 16, True),
@@ -672,14 +693,19 @@ def test_gpu_four_bit_verification_tiles(q_len, levers, block_m, key_words):
         assert seen["VALUE_WORDS"], seen
 
 
-@pytest.mark.parametrize("preset,batch,q_len,exact_program", [
-    ("3bit", 1, 8, False), ("3bit", 4, 8, False), ("4bit", 1, 8, False),  # several 16-row tiles per KV head
-    ("k8v4", 1, 8, True), ("k8v4", 4, 8, False), ("k8v4", 1, 16, False),  # FP8 keys: two tiles at B=1 keep it
-    ("4bit", 1, 1, True), ("k3v4", 1, 8, True),  # one row tile: the exact tokens in a program of their own
+@pytest.mark.parametrize("preset,batch,q_len,exact_program,spread,ring_tile", [
+    # several 16-row tiles per KV head: the ring's tiles shared out in 16 tokens up to 2 x 8 KV heads
+    ("3bit", 1, 8, False, True, 16), ("4bit", 1, 8, False, True, 16), ("k3v4", 1, 8, False, True, 16),
+    ("3bit", 4, 8, False, False, 32),
+    ("k8v4", 1, 8, True, True, 16), ("k8v4", 4, 8, False, True, 32), ("k8v4", 1, 16, False, True, 16),  # FP8 keys:
+    # two tiles at B=1 keep the exact program
+    ("4bit", 1, 1, True, False, 32), ("k3v4", 1, 4, True, False, 32),  # one row tile: the exact tokens in a program
+    # of their own
 ])
-def test_gpu_exact_program_of_verification_forwards(preset, batch, q_len, exact_program):
+def test_gpu_exact_program_of_verification_forwards(preset, batch, q_len, exact_program, spread, ring_tile):
     """Split decode with an exact ring on an H200: the exact tokens get a program of their own unless several
-    16-row tiles each walk the history (their exact programs then outlasted the splits)."""
+    16-row tiles each walk the history (their exact programs then outlasted the splits); the ring's tiles spread
+    over the splits as measured faster (docs/performance.md)."""
     layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
     table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)  # planned over S=32k, not run
     ring_k, ring_v = recent_ring(layout, batch, 128 + q_len, torch.float16, "cpu")
@@ -687,6 +713,7 @@ def test_gpu_exact_program_of_verification_forwards(preset, batch, q_len, exact_
                        table, torch.full((batch,), 32768), 0.1, max_seq_len=32768, key_offset=torch.zeros(batch, 8, 128),
                        recent_keys=ring_k, recent_values=ring_v)
     assert seen["SPLIT"] and seen["EXACT_PROG"] == exact_program, seen
+    assert (seen["RING_SPREAD"], seen["RING_TILE"]) == (spread, ring_tile), seen
 
 
 @pytest.mark.slow

@@ -29,7 +29,9 @@ class LaunchConfig:
     per decode program (1 or 2); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
     warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too).
     rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
-    reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere."""
+    reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere.
+    rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of
+    Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots)."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -50,6 +52,7 @@ class LaunchConfig:
     ring_spread: bool | None = None
     warp_split: bool | None = None
     rotate_in_reduce: bool | None = None
+    rotation_16bit: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

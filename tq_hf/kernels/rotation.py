@@ -26,7 +26,13 @@ def hadamard_dot(x, rows, cols, col_ok, acc, TERMS: tl.constexpr = 2):
     exact to ~2^-22 of the row's largest entry (as the 3xTF32 products of a general rotation; the attention's
     query), 3 to the fp32 accumulation (the store, whose codes must match reference.py's fp32 rotation).
     Coordinates < 256 (8 bits: head_dim <= 256, config.HEAD_DIM_RANGE)."""
-    m = hadamard_entries(rows, cols, col_ok)
+    return split_dot(x, hadamard_entries(rows, cols, col_ok), acc, TERMS)
+
+
+@triton.jit
+def split_dot(x, m, acc, TERMS: tl.constexpr = 2):
+    """acc + x @ m for fp16 m whose entries are exact there (+-1, 0) and fp32 x with |x| <= 1: x as a sum of TERMS
+    fp16 parts, one 16-bit dot each (hadamard_dot's precision: 2 terms to ~2**-22 of the row's largest entry)."""
     hi = x.to(tl.float16)
     rest = x - hi.to(tl.float32)
     if TERMS == 3:
@@ -34,6 +40,13 @@ def hadamard_dot(x, rows, cols, col_ok, acc, TERMS: tl.constexpr = 2):
         acc = tl.dot((rest - mid.to(tl.float32)).to(tl.float16), m, acc)
         rest = mid.to(tl.float32)
     return tl.dot(hi, m, tl.dot(rest.to(tl.float16), m, acc))
+
+
+@triton.jit
+def unit_rotation_rows(ptr, mask, D: tl.constexpr):
+    """Rows of a rotation whose entries are +-1/sqrt(D) (a randomized Hadamard, rotation="hadamard"), loaded and
+    scaled to +-1 in fp16 (exact) for split_dot."""
+    return (tl.load(ptr, mask=mask, other=0.0) * tl.sqrt(D * 1.0)).to(tl.float16)
 
 
 @triton.jit

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .code_decoders import value_col
-from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm
+from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot, unit_rotation_rows
 from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
@@ -128,6 +128,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
+    ROT16: tl.constexpr,  # 4-bit values' rotation back (Rv's entries +-1/sqrt(D)) by 16-bit dots instead of 3xTF32
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
     ROT_IN_REDUCE: tl.constexpr,  # SPLIT and VALUE_ROT: partials stay in the rotated value space (reduce.py rotates)
     PARTIAL_W: tl.constexpr,  # fp32 values per split partial row: DP, or 2 x DP (ROT_IN_REDUCE with EXACT_ACC)
@@ -401,7 +402,24 @@ def _attn_kernel(
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
-        if VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
+        if VALUE_ROT and not ROT_IN_REDUCE and ROT16:  # out @ Rv by 16-bit dots of Rv's +-1 entries (x sqrt(D))
+            rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
+            rv = vrot_ptr + dc[None, :]
+            n = tl.maximum(row_norm(out0), row_norm(out1))
+            if FOUR_ACC:
+                n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
+            n = n[:, None]
+            out = split_dot(out0 / n, unit_rotation_rows(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D),
+                            tl.zeros((BLOCK_M, DP), tl.float32))
+            out = split_dot(out1 / n, unit_rotation_rows(rv + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
+            if FOUR_ACC:
+                out = split_dot(out2 / n, unit_rotation_rows(rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
+                out = split_dot(out3 / n, unit_rotation_rows(rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
+            out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
+            if EXACT_ACC:
+                out = out + acc_x * inv_l[:, None]
+            store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
+        elif VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
             out = tl.dot(out0, tl.load(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),

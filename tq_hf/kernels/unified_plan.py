@@ -70,9 +70,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # FP8 keys, a verification forward (17-64 rows): 16-row tiles, each walking the history, were 2.1-2.3x
             # faster than one 32- or 64-row tile under the 128-register cap (1.7x uncapped)
             block_m = 16
-        if cfg.key_bits == 3 and cfg.value_bits == 3 and d == 128 and on_gpu and rows <= 32 and not plain_format:
-            # 3bit with the levers, 8 queries x GQA 4: two 16-row tiles, each walking the history, 0.119 against
-            # 0.175 ms for one 32-row tile (B=1 S=32k 32/8/128, H200); ptxas: no spills, against 1,272 B per thread
+        if cfg.key_bits == 3 and d == 128 and on_gpu and rows <= 32 and not plain_format:
+            # 3-bit keys with the levers, 8 queries x GQA 4: two 16-row tiles, each walking the history (B=1 S=32k
+            # 32/8/128, H200): 3bit 0.119 against 0.175 ms for one 32-row tile (ptxas: no spills, against 1,272 B per
+            # thread), k3v4 0.0702 against 0.0724
             block_m = 16
         verify4 = words is not None and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
         if verify4:
@@ -213,17 +214,26 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # int8 records shared out over a split decode's programs in 16-token tiles up to 2 x 8 KV heads: 4bit B=1
         # S=32k 40.3 against 41.2 us (H200), 43.3 against 44.8 (H100); k3v4 50.7 against 52.7 (H100); B=16 slower
         ring_n = 16
+    # a verification forward's row tiles each walk the history; its exact window (W + Lq fp16 slots) shared out in
+    # 16-token tiles (B=1 S=32k 8 queries, H200: k3v4 0.0702 -> 0.0668 ms, 4bit 0.0634 -> 0.0622, 3bit 0.0894 ->
+    # 0.0882 spread alone)
+    verify_spread = tiles_walk_apart and not batch_fills_gpu and d == 128 and b * hk <= 16
+    if verify_spread:
+        ring_n = 16
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
     # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
     # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
     # ms, at 32k the same; not once the batch fills the GPU: B=16 S=32k 0.248 -> 0.249-0.263; an exact ring under
     # codebook keys measured mixed, docs/performance.md)
-    spread_default = ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu)
+    spread_default = ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread
     ring_spread = bool(_pick(launch.ring_spread, decode and spread_default)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
+    # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the epilogue's rotation back of 4-bit (or plane) values
+    # by 16-bit dots of them, the rows split in two fp16 parts, instead of 3xTF32 (a third of the MMAs)
+    rot16 = bool(_pick(launch.rotation_16bit, False)) and cfg.value_rotation and cfg.rotation == "hadamard"
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
@@ -249,7 +259,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (
             lut3_asm(words3, True) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, ROT16=rot16, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return AttentionPlan(
