@@ -267,12 +267,13 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_red
            kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
 
 
-@pytest.mark.parametrize("preset,split", [("4bit", True), ("4bit", False), ("k8v4", False), ("k3v4", True)])
-def test_value_rotation_by_16_bit_dots(preset, split):
-    """The rotation back of 4-bit (and plane) values by 16-bit dots of Rv's +-1 entries (rotation_16bit): the
-    reference's attention, and the 3xTF32 epilogue's output to ~2**-20 in fp32 (a one-part split of the rows, or
-    a rotation entry off by a sign, is far outside that)."""
-    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+@pytest.mark.parametrize("preset,head_dim,split", [("4bit", 64, True), ("4bit", 64, False), ("k8v4", 64, False),
+                                                    ("k3v4", 128, True)])
+def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
+    """rotation_16bit: the rotation back of 4-bit values by 16-bit dots of Rv's +-1 entries (a GPU's default for
+    4-bit and FP8 keys): the reference's attention, and the 3xTF32 epilogue's output to ~2**-20 in fp32 (a one-part
+    split of the rows, or an entry off by a sign, is far outside it)."""
+    layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE),
               num_splits=3 if split else 1, **_fidelity_options(layout, 4))
     torch.manual_seed(7)

@@ -232,8 +232,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
     # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the epilogue's rotation back of 4-bit (or plane) values
-    # by 16-bit dots of them, the rows split in two fp16 parts, instead of 3xTF32 (a third of the MMAs)
-    rot16 = bool(_pick(launch.rotation_16bit, False)) and cfg.value_rotation and cfg.rotation == "hadamard"
+    # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). B=1 S=32k
+    # (H100): 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443; B=16 within 1%. 3-bit keys (measured only in a variant
+    # that also read R for the query: k3v4 0.0511 -> 0.0543) and other head_dims keep 3xTF32
+    rot16 = bool(_pick(launch.rotation_16bit, on_gpu and cfg.key_bits != 3 and d == 128)) and cfg.value_rotation and cfg.rotation == "hadamard"
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
