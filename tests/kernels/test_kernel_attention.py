@@ -284,6 +284,31 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     assert rel_error(got, base) <= 2 ** -20, rel_error(got, base)
 
 
+@pytest.mark.parametrize("preset,q_len", [("k3v4", 1), ("3bit", 8)])
+def test_query_rotated_once_for_the_key_planes(preset, q_len):
+    """query_butterfly: 3-bit key planes at head_dim 128 take the query rotated once and cut into the planes'
+    windows: the reference's attention, and the window-by-window rotation's output to 2**-16 in fp32 (the two round
+    the rotated query to fp16 apart: a coordinate's last bit may differ; a block put into the wrong window is far
+    outside it)."""
+    layout = make_layout(preset, 2, 128, key_centering=True, value_rotation=True)
+    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
+              **_fidelity_options(layout, 4))
+    torch.manual_seed(11)
+    got, want = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(query_butterfly=True, block_m=16), **kw)
+    torch.manual_seed(11)
+    base, want_again = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(block_m=16), **kw)
+    assert torch.equal(want, want_again)
+    assert rel_error(got, base) <= 2 ** -16, rel_error(got, base)
+
+
+def test_query_butterfly_refused_without_key_planes():
+    layout = make_layout("4bit", 2, 128)
+    pool, table = fill_cache(layout, [40], DEVICE)
+    with pytest.raises(ValueError, match="query_butterfly=True needs 3-bit key planes at head_dim 128"):
+        unified_attention(torch.randn(1, 4, 1, 128, device=DEVICE), pool, layout, table,
+                          torch.tensor([40], device=DEVICE), 0.1, launch=LaunchConfig(query_butterfly=True))
+
+
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
 @pytest.mark.slow
 def test_head_dim_256_split_decode_with_the_levers(preset):

@@ -31,7 +31,9 @@ class LaunchConfig:
     rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
     reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere.
     rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of
-    Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots)."""
+    Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots). query_butterfly: 3-bit key planes at
+    head_dim 128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows
+    (else each window's coordinates rotated apart)."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -53,6 +55,7 @@ class LaunchConfig:
     warp_split: bool | None = None
     rotate_in_reduce: bool | None = None
     rotation_16bit: bool | None = None
+    query_butterfly: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -59,6 +59,34 @@ from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
 @triton.jit
+def _blocks_of_16(x, BLOCK_M: tl.constexpr):
+    """[BLOCK_M, 64] -> its four 16-column blocks (columns 0-15, 16-31, 32-47, 48-63)."""
+    t = tl.permute(tl.reshape(x, (BLOCK_M, 2, 2, 16)), (0, 3, 1, 2))  # [m, c, i, j]: column 32 i + 16 j + c
+    even, odd = tl.split(t)  # j = 0, 1: [m, c, i]
+    b0, b2 = tl.split(even)
+    b1, b3 = tl.split(odd)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _pair(a, b, BLOCK_M: tl.constexpr):
+    """[BLOCK_M, 16] blocks a, b -> [BLOCK_M, 32] = [a | b]."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_M, 32))
+
+
+@triton.jit
+def _plane_windows_128(q_lo, q_hi, BLOCK_M: tl.constexpr):
+    """The six 32-row windows of head_dim 128's key planes (the coordinates the KEY_PLANES prologue computes one
+    window at a time) from the rotated query's halves: [b0 | b2], [b1 | b3], then [b_k | 0] for k = 4..7, b_k its
+    16-coordinate blocks."""
+    b0, b1, b2, b3 = _blocks_of_16(q_lo, BLOCK_M)
+    b4, b5, b6, b7 = _blocks_of_16(q_hi, BLOCK_M)
+    zero = tl.zeros((BLOCK_M, 16), tl.float32)
+    return (_pair(b0, b2, BLOCK_M), _pair(b1, b3, BLOCK_M), _pair(b4, zero, BLOCK_M), _pair(b5, zero, BLOCK_M),
+            _pair(b6, zero, BLOCK_M), _pair(b7, zero, BLOCK_M))
+
+
+@triton.jit
 def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) without reading R: the first
     butterfly of H_D folds the signed query's halves (u = a + b, v = a - b), then H_{D/2} (hadamard_dot).
@@ -128,6 +156,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
+    QUERY_BUTTERFLY: tl.constexpr,  # 3-bit key planes at head_dim 128 under HADAMARD: the query rotated once by the butterfly
     ROT16: tl.constexpr,  # 4-bit values' rotation back (Rv's entries +-1/sqrt(D)) by 16-bit dots instead of 3xTF32
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
     ROT_IN_REDUCE: tl.constexpr,  # SPLIT and VALUE_ROT: partials stay in the rotated value space (reduce.py rotates)
@@ -243,9 +272,13 @@ def _attn_kernel(
         r32 = tl.arange(0, 32)
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
-        if HADAMARD:
+        if QUERY_BUTTERFLY:  # the rotated query once (_hadamard_query), its 16-coordinate blocks put into the windows
+            qr_lo, qr_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
+            qp = _plane_windows_128(qr_lo, qr_hi, BLOCK_M)
+            qmax = tl.maximum(tl.max(tl.abs(qr_lo), axis=1), tl.max(tl.abs(qr_hi), axis=1))
+        elif HADAMARD:
             q_unit, q_scale = hadamard_input(q, rot_ptr, dc, D)
-        for w in tl.static_range(6 if D == 128 else 8):
+        for w in tl.static_range(0 if QUERY_BUTTERFLY else (6 if D == 128 else 8)):
             if D != 128:
                 coord = w * 32 + r32
                 ok_r = r32 < 32

@@ -235,6 +235,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). B=1 S=32k
     # (H100): 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443; B=16 within 1%. 3-bit keys (measured only in a variant
     # that also read R for the query: k3v4 0.0511 -> 0.0543) and other head_dims keep 3xTF32
+    query_butterfly = bool(_pick(launch.query_butterfly, False))
+    if query_butterfly and not (use_planes and d == 128 and hadamard):
+        raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 under "
+                         f"rotation='hadamard' (decode tiles of <= 32 rows); got {cfg.key_bits}-bit keys, head_dim {d}, "
+                         f"rotation {cfg.rotation!r}, block_m {block_m}")
     rot16 = bool(_pick(launch.rotation_16bit, on_gpu and cfg.key_bits != 3 and d == 128)) and cfg.value_rotation and cfg.rotation == "hadamard"
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
@@ -261,7 +266,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         LUT_HI=("" if key_words else lut_asm(words, True)) if words else (
             lut3_asm(words3, True) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, ROT16=rot16, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, ROT16=rot16, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return AttentionPlan(
