@@ -56,12 +56,13 @@ def make_config(name: str, block_size: int | None = None):
     from tq_hf.config import TurboQuantConfig
 
     name, overrides = split_overrides(name)
+    overrides.setdefault("block_size", block_size)  # a name's '@block_size=...' wins over the argument
     if name.endswith(DEFAULTS_SUFFIX):
-        return TurboQuantConfig.from_preset(name[: -len(DEFAULTS_SUFFIX)], block_size=block_size, **overrides)
+        return TurboQuantConfig.from_preset(name[: -len(DEFAULTS_SUFFIX)], **overrides)
     opts = name.endswith(OPTIONS_SUFFIX)
     preset = name[: -len(OPTIONS_SUFFIX)] if opts else name
     plain = dict(key_centering=opts, value_rotation=opts, exact_prefix_tokens=0, recent_window=0)
-    return TurboQuantConfig.from_preset(preset, block_size=block_size, **{**plain, **overrides})
+    return TurboQuantConfig.from_preset(preset, **{**plain, **overrides})
 
 
 def exact_buffers(layout, b: int, prefix: int, ring: int, device="cuda", ring_records: bool | None = None) -> dict:

@@ -26,6 +26,10 @@ def test_preset_names(preset):
     assert make_config(preset + "+defaults@recent_window=256") == TurboQuantConfig.from_preset(preset, recent_window=256)
     assert make_config(preset + "@recent_window=64").recent_window == 64
     assert make_config(preset + "@recent_window=64").exact_prefix_tokens == 0
+    # a block size in the name wins over the argument (it raised a duplicate keyword before)
+    assert make_config(preset + "+defaults@block_size=64", block_size=16).block_size == 64
+    assert make_config(preset + "@block_size=32").block_size == 32
+    assert make_config(preset, block_size=32).block_size == 32
 
 
 def test_exact_buffers_shapes():

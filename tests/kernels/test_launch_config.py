@@ -118,8 +118,9 @@ def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
 
 
 def test_value_rotation_by_16_bit_dots_where_measured_faster():
-    """An H200 rotates 4-bit values back by 16-bit dots for 4-bit and FP8 keys at head_dim 128 (measured faster at
-    B=1); 3-bit keys, other head_dims and the interpreter keep 3xTF32; an override decides either way."""
+    """An H200 rotates 4-bit values back by 16-bit dots in decode for 4-bit and FP8 keys at head_dim 128 (measured
+    faster at B=1); 3-bit keys, other head_dims, prefill tiles and the interpreter keep 3xTF32; an override decides
+    either way."""
     seen = {}
     for preset, head_dim in (("4bit", 128), ("k8v4", 128), ("k3v4", 128), ("4bit", 64)):
         layout = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
@@ -129,5 +130,9 @@ def test_value_rotation_by_16_bit_dots_where_measured_faster():
         forced = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(rotation_16bit=True))
         assert forced.constants["ROT16"] is True
     assert seen == {("4bit", 128): True, ("k8v4", 128): True, ("k3v4", 128): False, ("4bit", 64): False}
+    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
+    q, *rest = _decode_args(layout, 1)
+    prefill = plan_attention(q.expand(-1, -1, 64, -1).contiguous(), *rest, max_seq_len=32768, device_traits=H200)
+    assert prefill.constants["ROT16"] is False  # 64-row prefill tiles: unmeasured, 3xTF32
     plain = make_layout("4bit", 8, 128)  # no value rotation: nothing to rotate back
     assert plan_attention(*_decode_args(plain, 1), max_seq_len=32768, device_traits=H200).constants["ROT16"] is False
