@@ -442,12 +442,15 @@ def _attn_kernel(
             if FOUR_ACC:
                 n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
             n = n[:, None]
-            out = split_dot(out0 / n, unit_rotation_rows(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D),
-                            tl.zeros((BLOCK_M, DP), tl.float32))
-            out = split_dot(out1 / n, unit_rotation_rows(rv + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
+            rv0 = rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+            out = split_dot(out0 / n, unit_rotation_rows(rv0, rmask, D), tl.zeros((BLOCK_M, DP), tl.float32))
+            rv1 = rv + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+            out = split_dot(out1 / n, unit_rotation_rows(rv1, rmask, D), out)
             if FOUR_ACC:
-                out = split_dot(out2 / n, unit_rotation_rows(rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
-                out = split_dot(out3 / n, unit_rotation_rows(rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, rmask, D), out)
+                rv2 = rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+                out = split_dot(out2 / n, unit_rotation_rows(rv2, rmask, D), out)
+                rv3 = rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+                out = split_dot(out3 / n, unit_rotation_rows(rv3, rmask, D), out)
             out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
