@@ -435,38 +435,30 @@ def _attn_kernel(
             out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
             out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
-        if VALUE_ROT and not ROT_IN_REDUCE and ROT16:  # out @ Rv by 16-bit dots of Rv's +-1 entries (x sqrt(D))
+        if VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
             rv = vrot_ptr + dc[None, :]
-            n = tl.maximum(row_norm(out0), row_norm(out1))
-            if FOUR_ACC:
-                n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
-            n = n[:, None]
             rv0 = rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
-            out = split_dot(out0 / n, unit_rotation_rows(rv0, rmask, D), tl.zeros((BLOCK_M, DP), tl.float32))
             rv1 = rv + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
-            out = split_dot(out1 / n, unit_rotation_rows(rv1, rmask, D), out)
-            if FOUR_ACC:
-                rv2 = rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
-                out = split_dot(out2 / n, unit_rotation_rows(rv2, rmask, D), out)
-                rv3 = rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
-                out = split_dot(out3 / n, unit_rotation_rows(rv3, rmask, D), out)
-            out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
-            if EXACT_ACC:
-                out = out + acc_x * inv_l[:, None]
-            store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
-        elif VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
-            rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
-            rv = vrot_ptr + dc[None, :]
-            out = tl.dot(out0, tl.load(rv + value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
-                         input_precision="tf32x3")
-            out = tl.dot(out1, tl.load(rv + value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
-                         out, input_precision="tf32x3")
-            if FOUR_ACC:
-                out = tl.dot(out2, tl.load(rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
-                             out, input_precision="tf32x3")
-                out = tl.dot(out3, tl.load(rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D, mask=rmask, other=0.0),
-                             out, input_precision="tf32x3")
+            rv2 = rv + value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+            rv3 = rv + value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS)[:, None] * D
+            if ROT16:  # 16-bit dots of Rv's +-1 entries (x sqrt(D)), the rows scaled to |.| <= 1
+                n = tl.maximum(row_norm(out0), row_norm(out1))
+                if FOUR_ACC:
+                    n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
+                n = n[:, None]
+                out = split_dot(out0 / n, unit_rotation_rows(rv0, rmask, D), tl.zeros((BLOCK_M, DP), tl.float32))
+                out = split_dot(out1 / n, unit_rotation_rows(rv1, rmask, D), out)
+                if FOUR_ACC:
+                    out = split_dot(out2 / n, unit_rotation_rows(rv2, rmask, D), out)
+                    out = split_dot(out3 / n, unit_rotation_rows(rv3, rmask, D), out)
+                out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
+            else:
+                out = tl.dot(out0, tl.load(rv0, mask=rmask, other=0.0), input_precision="tf32x3")
+                out = tl.dot(out1, tl.load(rv1, mask=rmask, other=0.0), out, input_precision="tf32x3")
+                if FOUR_ACC:
+                    out = tl.dot(out2, tl.load(rv2, mask=rmask, other=0.0), out, input_precision="tf32x3")
+                    out = tl.dot(out3, tl.load(rv3, mask=rmask, other=0.0), out, input_precision="tf32x3")
             if EXACT_ACC:
                 out = out + acc_x * inv_l[:, None]
             store_rounded(dst + dc[None, :], out, row_ok[:, None] & (dc[None, :] < D))
