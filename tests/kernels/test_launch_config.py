@@ -118,21 +118,43 @@ def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
 
 
 def test_value_rotation_by_16_bit_dots_where_measured_faster():
-    """An H200 rotates 4-bit values back by 16-bit dots in decode for 4-bit and FP8 keys at head_dim 128 (measured
-    faster at B=1); 3-bit keys, other head_dims, prefill tiles and the interpreter keep 3xTF32; an override decides
+    """An H200 rotates 4-bit values back by 16-bit dots in decode at head_dim 128 for every key format (measured faster
+    or within 1%, B=1 and B=16); other head_dims, prefill tiles and the interpreter keep 3xTF32; an override decides
     either way."""
     seen = {}
-    for preset, head_dim in (("4bit", 128), ("k8v4", 128), ("k3v4", 128), ("4bit", 64)):
+    for preset, head_dim in (("4bit", 128), ("k8v4", 128), ("k3v4", 128), ("3bit", 128), ("4bit", 64)):
         layout = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         args = _decode_args(layout)
         seen[preset, head_dim] = plan_attention(*args, max_seq_len=32768, device_traits=H200).constants["ROT16"]
         assert plan_attention(*args, max_seq_len=32768).constants["ROT16"] is False
         forced = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(rotation_16bit=True))
         assert forced.constants["ROT16"] is True
-    assert seen == {("4bit", 128): True, ("k8v4", 128): True, ("k3v4", 128): False, ("4bit", 64): False}
+    assert seen == {("4bit", 128): True, ("k8v4", 128): True, ("k3v4", 128): True, ("3bit", 128): True,
+                    ("4bit", 64): False}
     layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
     q, *rest = _decode_args(layout, 1)
     prefill = plan_attention(q.expand(-1, -1, 64, -1).contiguous(), *rest, max_seq_len=32768, device_traits=H200)
     assert prefill.constants["ROT16"] is False  # 64-row prefill tiles: unmeasured, 3xTF32
     plain = make_layout("4bit", 8, 128)  # no value rotation: nothing to rotate back
     assert plan_attention(*_decode_args(plain, 1), max_seq_len=32768, device_traits=H200).constants["ROT16"] is False
+
+
+def test_query_butterfly_where_measured_faster():
+    """An H200 rotates the query of 3-bit key planes once (query_butterfly) in decode and verification tiles while the
+    batch leaves SMs free (measured faster at B=1, one and 8 queries), not once it fills them (B=16), nor for other key
+    formats, head_dims or the interpreter; an override turns it off."""
+    seen = {}
+    for preset, head_dim, batch, q_len in (("k3v4", 128, 1, 1), ("3bit", 128, 1, 1), ("3bit", 128, 1, 8),
+                                           ("k3v4", 128, 16, 1), ("4bit", 128, 1, 1), ("3bit", 64, 1, 1)):
+        layout = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
+        q, *rest = _decode_args(layout, batch)
+        q = q.expand(-1, -1, q_len, -1).contiguous()
+        plan = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200)
+        seen[preset, head_dim, batch, q_len] = plan.constants["QUERY_BUTTERFLY"]
+        assert plan_attention(q, *rest, max_seq_len=32768).constants["QUERY_BUTTERFLY"] is False
+        if plan.constants["QUERY_BUTTERFLY"]:
+            off = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200,
+                                 launch=LaunchConfig(query_butterfly=False))
+            assert off.constants["QUERY_BUTTERFLY"] is False
+    assert seen == {("k3v4", 128, 1, 1): True, ("3bit", 128, 1, 1): True, ("3bit", 128, 1, 8): True,
+                    ("k3v4", 128, 16, 1): False, ("4bit", 128, 1, 1): False, ("3bit", 64, 1, 1): False}

@@ -33,7 +33,8 @@ class LaunchConfig:
     rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of
     Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots). query_butterfly: 3-bit key planes at
     head_dim 128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows
-    (else each window's coordinates rotated apart)."""
+    (else each window's coordinates rotated apart). A field left None takes the plan's default for the shape and
+    device."""
 
     block_m: int | None = None
     block_n: int | None = None

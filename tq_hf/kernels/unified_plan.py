@@ -231,17 +231,20 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
-    # 3-bit key planes' query rotated once and cut into the windows (fewer prologue instructions; not timed yet)
-    query_butterfly = bool(_pick(launch.query_butterfly, False))
+    # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
+    # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
+    # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
+    bfly_default = on_gpu and decode and use_planes and d == 128 and hadamard and not batch_fills_gpu
+    query_butterfly = bool(_pick(launch.query_butterfly, bfly_default))
     if query_butterfly and not (use_planes and d == 128 and hadamard):
         raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 under "
                          f"rotation='hadamard' (decode tiles of <= 32 rows); got {cfg.key_bits}-bit keys, head_dim {d}, "
                          f"rotation {cfg.rotation!r}, block_m {block_m}")
     # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the epilogue's rotation back of 4-bit (or plane) values
-    # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). B=1 S=32k
-    # (H100): 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443; B=16 within 1%. 3-bit keys (measured only in a variant
-    # that also read R for the query: k3v4 0.0511 -> 0.0543), other head_dims and prefill tiles keep 3xTF32
-    rot16_default = on_gpu and decode and cfg.key_bits != 3 and d == 128
+    # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). S=32k (H100):
+    # B=1 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443, 3bit 0.0601 -> 0.0592; B=16 3bit 0.5630 -> 0.5505, k3v4
+    # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
+    rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
