@@ -106,7 +106,7 @@ def disassemble(cubin: bytes) -> tuple[str, int]:
     return text, int(regs.group(1)) if regs else -1
 
 
-VARIANTS = {"default": {}, "key_lut": {"key_lut": True}}  # name -> LaunchConfig overrides
+VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "value_planes_asm": {"value_planes_asm": True}}  # name -> LaunchConfig overrides
 
 
 def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str = "default"):
@@ -187,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="Hq/Hk/D head shapes")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch overrides to profile beside the default plan (key_lut: 4-bit and 3-bit-plane keys by "
-                         "byte permutes at every head_dim)")
+                         "byte permutes at every head_dim; value_planes_asm: 3-bit value planes decoded from their "
+                         "loaded bytes by one asm)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)

@@ -971,6 +971,23 @@ def test_decode_batch_filling_the_gpu_gpu(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,q_len,batch", [(128, 1, 16), (128, 1, 2), (128, 8, 1), (256, 1, 3)])
+def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
+    """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm): the reference's attention,
+    and the plane words' output exactly (the same fp16 operands), at decode and verification tiles, odd lengths."""
+    layout = make_layout("3bit", 4, head_dim, key_centering=True, value_rotation=True)
+    lens = [4099 - 37 * i for i in range(batch)]
+    kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
+              key_offset=torch.randn(4, head_dim, device="cuda"))
+    torch.manual_seed(5)
+    got, want = _check(layout, lens, q_len, 4, launch=LaunchConfig(value_planes_asm=True), **kw)
+    torch.manual_seed(5)
+    words, want_again = _check(layout, lens, q_len, 4, launch=LaunchConfig(value_planes_asm=False), **kw)
+    assert torch.equal(want, want_again)  # the same inputs
+    assert torch.equal(got, words), rel_error(got, words)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [16, 2])
 def test_head_pairs_with_format_options_gpu(batch):
     """The 4bit preset's levers at real size with two KV heads per program (the launcher's default): key means per

@@ -158,3 +158,15 @@ def test_query_butterfly_where_measured_faster():
             assert off.constants["QUERY_BUTTERFLY"] is False
     assert seen == {("k3v4", 128, 1, 1): True, ("3bit", 128, 1, 1): True, ("3bit", 128, 1, 8): True,
                     ("k3v4", 128, 16, 1): False, ("4bit", 128, 1, 1): False, ("3bit", 64, 1, 1): False}
+
+
+def test_value_planes_from_bytes_only_where_asked():
+    """value_planes_asm (3-bit value planes' bytes decoded by one asm) is off by default; asked for, it takes the
+    3-bit value planes of a PTX device (VALUE_PTX 2) and leaves 4-bit values and the interpreter as they were."""
+    for preset, want in (("3bit", 2), ("k3v4", 1)):
+        args = _decode_args(make_layout(preset, 8, 128, key_centering=True, value_rotation=True))
+        default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+        asked = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(value_planes_asm=True))
+        interpreted = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(value_planes_asm=True))
+        assert (default.constants["VALUE_PTX"], asked.constants["VALUE_PTX"]) == (1, want)
+        assert interpreted.constants["VALUE_PTX"] == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS, PLANES_ASM
+from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS, PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS, PLANES_ASM
 
 from ptx_emulator import run
 
@@ -56,3 +56,31 @@ def test_every_plane_word_becomes_its_four_3bit_codes_as_fp16_subnormals():
             bad = np.nonzero(values != want * 2.0 ** -24)[0]
             assert bad.size == 0, (f"output ${a}, {'low' if low_half else 'high'} half: word {int(words[bad[0]]):#06x} "
                                    f"-> {values[bad[0]]!r}, want {int(want[bad[0]])} * 2**-24 ({bad.size} wrong)")
+
+
+@pytest.mark.slow
+def test_plane_bytes_become_their_four_3bit_codes_as_fp16_subnormals():
+    """3-bit value planes from the loaded bytes, 4 elements per instance: element k's 2-bit-plane byte L (byte k of
+    $8), bit-plane byte H (of $9) and mask (of $10: 0x00 its column's even bits, 0xFF the odd ones) give, in half
+    k % 2 of output $2a + k // 2, code (L >> 2a & 3) | (H >> (2a + odd) & 1) << 2 as the fp16 value code * 2**-24
+    (its bits are the code). Every (L, H) pair sits in one element, its neighbours and every mask random."""
+    assert PLANE_BYTES_CONSTRAINTS.count("=r") == 8 and PLANE_BYTES_CONSTRAINTS.count(",r") == 3
+    rng = np.random.default_rng()
+    n = 1 << 16
+    odd = rng.integers(0, 2, size=(n, 4), dtype=np.uint32)
+    low = rng.integers(0, 256, size=(n, 4), dtype=np.uint32)
+    high = rng.integers(0, 256, size=(n, 4), dtype=np.uint32)
+    pairs, at = np.arange(n, dtype=np.uint32), np.arange(n) % 4
+    low[np.arange(n), at], high[np.arange(n), at] = pairs & 0xFF, pairs >> 8
+    shift = 8 * np.arange(4, dtype=np.uint32)
+    regs = [(x << shift).sum(axis=1).tolist() for x in (low, high, odd * 0xFF)]
+    outs = np.array([[got[j] for j in range(8)] for got in (run(PLANE_BYTES_ASM, {8: a, 9: b, 10: c})
+                                                            for a, b, c in zip(*regs))], dtype=np.uint32)
+    for k in range(4):
+        for a in range(4):
+            half = (outs[:, 2 * a + k // 2] >> (16 * (k % 2))) & 0xFFFF
+            code = ((low[:, k] >> (2 * a)) & 3) | (((high[:, k] >> (2 * a + odd[:, k])) & 1) << 2)
+            bad = np.nonzero(half != code)[0]
+            assert bad.size == 0, (f"element {k}, code {a}: L {int(low[bad[0], k]):#04x} H {int(high[bad[0], k]):#04x} "
+                                   f"odd {int(odd[bad[0], k])} -> {int(half[bad[0]]):#06x}, want {int(code[bad[0]])} "
+                                   f"({bad.size} wrong)")

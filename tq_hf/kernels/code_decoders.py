@@ -14,6 +14,7 @@ from .key_lut import CODES_CONSTRAINTS as _LUT_CODES_CONSTRAINTS, CONSTRAINTS as
 from .key_lut import SPARE_ASM as _SPARE_ASM, SPARE_CONSTRAINTS as _SPARE_CONSTRAINTS
 from .key_lut import WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
+from .value_nibbles import PLANE_BYTES_ASM as _PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS as _PLANE_BYTES_CONSTRAINTS
 
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
 LUT_WORDS_CONSTRAINTS = tl.constexpr(_LUT_WORDS_CONSTRAINTS)
@@ -23,6 +24,8 @@ SPARE_CONSTRAINTS = tl.constexpr(_SPARE_CONSTRAINTS)
 VALUE_NIBBLES_ASM = tl.constexpr(_VALUE_NIBBLES_ASM)
 VALUE_NIBBLES_CONSTRAINTS = tl.constexpr(_VALUE_NIBBLES_CONSTRAINTS)
 VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
+PLANE_BYTES_ASM = tl.constexpr(_PLANE_BYTES_ASM)
+PLANE_BYTES_CONSTRAINTS = tl.constexpr(_PLANE_BYTES_CONSTRAINTS)
 
 
 @triton.jit
@@ -77,7 +80,11 @@ def value_plane_words(low, high, half, PTX: tl.constexpr):
     """3-bit value codes (layout.value_planes) of coordinates a * D/4 + j, a = 0..3, from the 2-bit plane's
     bytes `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
     code * 2**-24. One 16-bit word per token and column (low | the column's bit-plane bits << 8) feeds a
-    mask-only decode of two tokens per register (value_nibbles.PLANES_ASM), as the 4-bit value words do."""
+    mask-only decode of two tokens per register (value_nibbles.PLANES_ASM), as the 4-bit value words do. PTX 2: the
+    words are paired in registers by value_nibbles.PLANE_BYTES_ASM instead, 4 elements per asm; 0: integer ops."""
+    if PTX == 2:  # the words never built: value_nibbles.PLANE_BYTES_ASM from the bytes, 4 elements per instance
+        return tl.inline_asm_elementwise(PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS, [low, high, (half * 255).to(tl.uint8)],
+                                         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     w = low.to(tl.uint16) | (((high >> half) & 0x55).to(tl.uint16) << 8)
     if PTX:
         n0, n1, n2, n3 = tl.inline_asm_elementwise(VALUE_PLANES_ASM, VALUE_NIBBLES_CONSTRAINTS, [w],

@@ -33,8 +33,9 @@ class LaunchConfig:
     rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of
     Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots). query_butterfly: 3-bit key planes at
     head_dim 128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows
-    (else each window's coordinates rotated apart). A field left None takes the plan's default for the shape and
-    device."""
+    (else each window's coordinates rotated apart). value_planes_asm: 3-bit value planes decoded straight from their
+    loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane word built by Triton's integer
+    ops first). A field left None takes the plan's default for the shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -57,6 +58,7 @@ class LaunchConfig:
     rotate_in_reduce: bool | None = None
     rotation_16bit: bool | None = None
     query_butterfly: bool | None = None
+    value_planes_asm: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -246,6 +246,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
     rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
+    # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM): loop of 3bit+defaults at
+    # 32/8/128, B=16 (sm_90a SASS, Triton 3.9) 1,476 -> 1,347 instructions; not timed yet, so off by default
+    planes_asm = bool(_pick(launch.value_planes_asm, False)) and planes_v and ptx
+    value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
@@ -264,7 +268,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
         EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog, RING_SPREAD=ring_spread,
         EXACT_16=exact16, RING_Q8=ring_q8,
-        VALUE_WORDS=value_words, VALUE_PTX=(value_words or planes_v) and ptx, KEY_LUT=words is not None or words3 is not None,
+        VALUE_WORDS=value_words, VALUE_PTX=value_ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
         LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (
             (lut3_codes_asm(words3) if stream3 else lut3_asm(words3, False)) if words3 else ""),

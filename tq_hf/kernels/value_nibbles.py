@@ -25,12 +25,31 @@ and.b32 $3, s, 0x00F000F0;
 
 CONSTRAINTS = "=r,=r,=r,=r,r"  # four fp16x2 outputs, one input register (two 16-bit code words)
 
+def _plane_codes(word: str, outs: tuple[str, ...]) -> str:
+    """3-bit codes from `word`, two tokens' 16-bit plane words (below), code a into register outs[a]."""
+    body = (f"shr.b32 t, {word}, 6;\n"  # t: the bit-plane bits of code a at bit 2 + 2a
+            f"and.b32 {outs[0]}, {word}, 0x00030003;\nand.b32 s, t, 0x00040004;\nor.b32 {outs[0]}, {outs[0]}, s;\n")
+    for a in (1, 2, 3):
+        body += (f"shr.b32 s, {word}, {2 * a};\nand.b32 {outs[a]}, s, 0x00030003;\n"
+                 f"shr.b32 s, t, {2 * a};\nand.b32 s, s, 0x00040004;\nor.b32 {outs[a]}, {outs[a]}, s;\n")
+    return body
+
+
 # 3-bit value planes (layout.value_planes): per 16-bit half, one token's 2-bit-plane byte L in bits 0-7 and, in
 # bits 8-15, the bit-plane bits of the same four coordinates at bits 8 + 2a (code_decoders.value_plane_words).
 # Output $a holds code a = (L >> 2a & 3) | (bit 8 + 2a) << 2 as the fp16 subnormal code * 2**-24.
-PLANES_ASM = (
-    "{\n.reg .b32 s, t;\nshr.b32 t, $4, 6;\n"  # t: the bit-plane bits of code a at bit 2 + 2a
-    "and.b32 $0, $4, 0x00030003;\nand.b32 s, t, 0x00040004;\nor.b32 $0, $0, s;\n"
-    + "".join(f"shr.b32 s, $4, {2 * a};\nand.b32 ${a}, s, 0x00030003;\n"
-              f"shr.b32 s, t, {2 * a};\nand.b32 s, s, 0x00040004;\nor.b32 ${a}, ${a}, s;\n" for a in (1, 2, 3))
-    + "}")
+PLANES_ASM = "{\n.reg .b32 s, t;\n" + _plane_codes("$4", ("$0", "$1", "$2", "$3")) + "}"
+
+# The same codes straight from the loaded bytes, 4 elements per instance (pack=4): $8 their 2-bit-plane bytes, $9
+# their bit-plane bytes, $10 a byte mask each (0x00: the element's column takes its bit-plane byte's even bits,
+# 0xFF: the odd ones). The bits are selected and paired with the plane bytes by two byte permutes into the words
+# above, where Triton's 16-bit integer ops built each word on its own; output $2a holds code a of elements 0 and 1,
+# $2a + 1 of elements 2 and 3.
+PLANE_BYTES_ASM = (
+    "{\n.reg .b32 s, t, w, lo, hi, m;\n"
+    "and.b32 lo, $9, 0x55555555;\nshr.b32 hi, $9, 1;\nand.b32 hi, hi, 0x55555555;\n"
+    "and.b32 hi, hi, $10;\nnot.b32 m, $10;\nand.b32 lo, lo, m;\nor.b32 lo, lo, hi;\n"
+    "prmt.b32 w, $8, lo, 0x5140;\n" + _plane_codes("w", ("$0", "$2", "$4", "$6"))
+    + "prmt.b32 w, $8, lo, 0x7362;\n" + _plane_codes("w", ("$1", "$3", "$5", "$7")) + "}")
+
+PLANE_BYTES_CONSTRAINTS = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r"  # 4 fp16 outputs x 4 elements; 3 inputs of 4 bytes
