@@ -106,7 +106,9 @@ def disassemble(cubin: bytes) -> tuple[str, int]:
     return text, int(regs.group(1)) if regs else -1
 
 
-VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "value_planes_asm": {"value_planes_asm": True}}  # name -> LaunchConfig overrides
+# name -> LaunchConfig overrides
+VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "value_planes_asm": {"value_planes_asm": True},
+            "table_registers": {"table_registers": True}, "both": {"value_planes_asm": True, "table_registers": True}}
 
 
 def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str = "default"):
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch overrides to profile beside the default plan (key_lut: 4-bit and 3-bit-plane keys by "
                          "byte permutes at every head_dim; value_planes_asm: 3-bit value planes decoded from their "
-                         "loaded bytes by one asm)")
+                         "loaded bytes by one asm; table_registers: the key lookups' table words pinned in registers; both: the two)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)

@@ -1,8 +1,8 @@
 """A tiny PTX emulator for the integer inline asm of tq_hf.kernels (not a test module).
 
-Runs asm text of `mov/not/and/or/xor/shl/shr .b32`, `mul.lo.u32` and `prmt.b32` (default mode) on
-Python ints, so the CPU tests check the very text the GPU compiles. Operands: `$N` placeholders,
-`.reg` names, decimal or hex immediates.
+Runs asm text of `mov/not/and/or/xor/shl/shr .b32`, `mov.u32`, `mul.lo.u32`, `mul.hi.u32` and `prmt.b32`
+(default mode) on Python ints, so the CPU tests check the very text the GPU compiles. Operands: `$N`
+placeholders, `.reg` names, decimal or hex immediates, `%laneid` (the `lane` run() is given).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def prmt(a: int, b: int, c: int) -> int:
 
 OPS = {
     "mov.b32": lambda a: a,
+    "mov.u32": lambda a: a,
     "not.b32": lambda a: ~a & MASK,
     "and.b32": lambda a, b: a & b,
     "or.b32": lambda a, b: a | b,
@@ -34,13 +35,16 @@ OPS = {
     "shl.b32": lambda a, b: (a << min(b, 32)) & MASK,
     "shr.b32": lambda a, b: a >> min(b, 32),
     "mul.lo.u32": lambda a, b: (a * b) & MASK,
+    "mul.hi.u32": lambda a, b: (a * b) >> 32,
     "prmt.b32": prmt,
 }
 
 
-def run(asm: str, inputs: dict[int, int]) -> dict[int, int]:
-    """Execute `asm` with $N = inputs[N]; return every $N the asm writes."""
-    regs: dict[str, int] = {f"${n}": v & MASK for n, v in inputs.items()}
+def run(asm: str, inputs: dict[int, int], lane: int = 0) -> dict[int, int]:
+    """Execute `asm` with $N = inputs[N] in lane `lane` of a warp; return every $N the asm writes."""
+    if not 0 <= lane < 32:
+        raise ValueError(f"lane must be 0..31, got {lane}")
+    regs: dict[str, int] = {f"${n}": v & MASK for n, v in inputs.items()} | {"%laneid": lane}
     body = asm.strip()
     if body.startswith("{") and body.endswith("}"):
         body = body[1:-1]

@@ -177,3 +177,23 @@ def test_spare_code_bytes_gather_codes_6_and_7_from_the_planes():
             code6 = ((p0 >> 3) & 1) | (((p1 >> 3) & 1) << 1) | (((p2 >> 3) & 1) << 2)
             code7 = ((p0 >> 7) & 1) | (((p1 >> 7) & 1) << 1) | (((p2 >> 7) & 1) << 2)
             assert (got >> (8 * i)) & 0xFF == code6 | (code7 << 4), (planes, i)
+
+
+def test_tables_pinned_in_registers_decode_the_same():
+    """pinned=True (the table words XORed with an opaque zero, lane id x 3 >> 32, LaunchConfig.table_registers):
+    every lookup asm gives, in every lane, exactly the outputs of its constant-table version, which the tests above
+    check against the centroids; the words really are set through the lane id (a version that reads no lane id, or
+    whose zero is not zero in some lane, fails)."""
+    k4, k3 = TurboQuantConfig.from_preset("4bit", rotation="random"), TurboQuantConfig.from_preset("k3v4")
+    words4, (bytes4, _), words3 = config_lut_words(k4, 128), config_lut_bytes(k4, 128), config_lut3_words(k3, 128)
+    builders = [(lut_asm, words4, (False,)), (lut_asm, words4, (True,)), (lut_words_asm, bytes4, ()),
+                (lut3_asm, words3, (False,)), (lut3_asm, words3, (True,)), (lut3_codes_asm, words3, ())]
+    gen = torch.Generator().manual_seed(3)
+    regs = torch.randint(0, 1 << 31, (48, 4), generator=gen).tolist()
+    for build, table, args in builders:
+        plain, pinned = build(table, *args), build(table, *args, pinned=True)
+        assert "%laneid" in pinned and "%laneid" not in plain
+        for lane in range(32):
+            for r in regs:
+                inputs = {2: r[0], 3: r[1] & 7, 4: r[2], 5: r[3] & 7}  # the 4 codes of lut3_codes_asm are 0..7
+                assert run(pinned, inputs, lane) == run(plain, inputs, lane), (build.__name__, args, lane, r)

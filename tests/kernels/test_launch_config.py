@@ -170,3 +170,15 @@ def test_value_planes_from_bytes_only_where_asked():
         interpreted = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(value_planes_asm=True))
         assert (default.constants["VALUE_PTX"], asked.constants["VALUE_PTX"]) == (1, want)
         assert interpreted.constants["VALUE_PTX"] == 0
+
+
+def test_table_registers_only_where_asked():
+    """table_registers (the key lookups' table words pinned in registers) is off by default; asked for, every
+    codebook key lookup the plan builds reads the lane id (4-bit bytes and words, 3-bit planes, the 3-bit bit stream)."""
+    for preset, head_dim, batch in (("4bit", 128, 16), ("4bit", 128, 1), ("k3v4", 128, 16), ("3bit", 64, 16)):
+        args = _decode_args(make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True), batch)
+        default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+        asked = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(table_registers=True))
+        assert default.constants["LUT_LO"] and "%laneid" not in default.constants["LUT_LO"] + default.constants["LUT_HI"]
+        assert "%laneid" in asked.constants["LUT_LO"], (preset, head_dim, batch)
+        assert asked.constants["LUT_HI"] == "" or "%laneid" in asked.constants["LUT_HI"]

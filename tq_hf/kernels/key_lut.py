@@ -35,6 +35,18 @@ import torch
 if TYPE_CHECKING:
     from ..config import TurboQuantConfig
 
+def _tables(words: dict[str, int], pinned: bool) -> str:
+    """PTX setting the table registers: l0 / h0 (the words `prmt` reads from a register; l1 / h1 are its
+    immediates). pinned: XORed with an opaque zero (lane id x 3 >> 32), so ptxas keeps each in a register of every
+    thread for the whole walk; as constants it holds them in uniform registers and copies one into a vector
+    register before every `prmt` that reads it (48-120 copies per tile, sm_90a; LaunchConfig.table_registers)."""
+    lines = ["mov.u32 z, %laneid;", "mul.hi.u32 z, z, 3;"] if pinned else []
+    for name, value in words.items():
+        op = "xor.b32 {0}, z, {1};" if pinned and name in ("l0", "h0") else "mov.b32 {0}, {1};"
+        lines.append(op.format(name, value))
+    return "\n".join(lines)
+
+
 # $2: 4 code bytes (low nibble: coordinate j of the head's first half, high nibble: j + D/2).
 # $0, $1: fp16 centroids of bytes 0-1 and 2-3: of their low nibbles (sel 0x6240) or high (0x7351).
 # The low- and the high-nibble calls share everything up to the last two permutes; ptxas merges
@@ -42,11 +54,8 @@ if TYPE_CHECKING:
 # whose rank 7 - n of the negative half took 4 more: offline sm_90a SASS, 1005 -> 962 per 128-token
 # tile at B=16, 1893 -> 1779 per 256-token tile at B=1).
 _HEAD = """{
-.reg .b32 idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1;
-mov.b32 l0, %(l0)d;
-mov.b32 l1, %(l1)d;
-mov.b32 h0, %(h0)d;
-mov.b32 h1, %(h1)d;
+.reg .b32 idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1, z;
+%(tables)s
 and.b32 idx, $2, 0x77777777;
 """
 _LOOKUP = """prmt.b32 la, l0, l1, idx;
@@ -85,9 +94,8 @@ CONSTRAINTS = "=r,=r,r"  # two 32-bit outputs (4 fp16 with pack=4), one 32-bit i
 # code's sign bit, so one table (8 bytes) serves all and a sign mask is the high byte; the kernel scales the scores by
 # the grid step * 2**24 once (lut_bytes).
 _WORDS_BODY = """{
-.reg .b32 c, idx, idx2, la, lb, sl, sh, l0, l1;
-mov.b32 l0, %(l0)d;
-mov.b32 l1, %(l1)d;
+.reg .b32 c, idx, idx2, la, lb, sl, sh, l0, l1, z;
+%(tables)s
 prmt.b32 c, $4, $4, 0x3120;
 and.b32 idx, c, 0x77777777;
 prmt.b32 la, l0, l1, idx;
@@ -107,10 +115,11 @@ WORDS_CONSTRAINTS = "=r,=r,=r,=r,r"
 
 
 @functools.lru_cache(maxsize=None)
-def lut_words_asm(table: tuple[int, int]) -> str:
-    """The asm decoding 2 code words of a token into 4 fp16x2 subnormals (WORDS_CONSTRAINTS); table: lut_bytes'."""
+def lut_words_asm(table: tuple[int, int], pinned: bool = False) -> str:
+    """The asm decoding 2 code words of a token into 4 fp16x2 subnormals (WORDS_CONSTRAINTS); table: lut_bytes';
+    pinned: _tables'."""
     l0, l1 = table
-    return _WORDS_BODY % dict(l0=l0, l1=l1)
+    return _WORDS_BODY % dict(tables=_tables(dict(l0=l0, l1=l1), pinned))
 
 
 def lut_bytes(centroids: torch.Tensor) -> tuple[tuple[int, int], float] | None:
@@ -142,11 +151,15 @@ def config_lut_bytes(config: "TurboQuantConfig", head_dim: int) -> tuple[tuple[i
 
 
 @functools.lru_cache(maxsize=None)
-def lut_asm(words: tuple[int, int, int, int], high: bool) -> str:
+def lut_asm(words: tuple[int, int, int, int], high: bool, pinned: bool = False) -> str:
     """The asm decoding the low (high=False) or the high nibbles of 4 code bytes with tables `words`
-    (cached: the launcher asks for it on every decode step)."""
+    (cached: the launcher asks for it on every decode step); pinned: _tables'."""
+    return _BODY % dict(tables=_word_tables(words, pinned), sel="0x7351" if high else "0x6240")
+
+
+def _word_tables(words: tuple[int, int, int, int], pinned: bool) -> str:
     l0, l1, h0, h1 = words
-    return _BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1, sel="0x7351" if high else "0x6240")
+    return _tables(dict(l0=l0, l1=l1, h0=h0, h1=h1), pinned)
 
 
 def _word(byte_values: list[int]) -> int:
@@ -211,10 +224,9 @@ SPARE_CONSTRAINTS = "=r,r,r,r"
 
 
 @functools.lru_cache(maxsize=None)
-def lut3_asm(words: tuple[int, int, int, int], high: bool) -> str:
-    """The asm decoding the low (high=False) or the high 3-bit codes of 4 code bytes (CONSTRAINTS)."""
-    l0, l1, h0, h1 = words
-    return _BODY3 % dict(l0=l0, l1=l1, h0=h0, h1=h1, sel="0x7351" if high else "0x6240")
+def lut3_asm(words: tuple[int, int, int, int], high: bool, pinned: bool = False) -> str:
+    """The asm decoding the low (high=False) or the high 3-bit codes of 4 code bytes (CONSTRAINTS); pinned: _tables'."""
+    return _BODY3 % dict(tables=_word_tables(words, pinned), sel="0x7351" if high else "0x6240")
 
 
 def lut3_words(centroids: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -245,11 +257,8 @@ def config_lut3_words(config: "TurboQuantConfig", head_dim: int) -> tuple[int, i
 # to ~16 compare-and-selects per code (Triton 3.9; Triton 3.6-3.8 staged it through shared memory), sm_90a SASS.
 # $2..$5: 4 codes; $0: fp16x2 centroids of codes $2, $3; $1: of $4, $5.
 _CODES_BODY = """{
-.reg .b32 sel, t, lo, hi, l0, l1, h0, h1;
-mov.b32 l0, %(l0)d;
-mov.b32 l1, %(l1)d;
-mov.b32 h0, %(h0)d;
-mov.b32 h1, %(h1)d;
+.reg .b32 sel, t, lo, hi, l0, l1, h0, h1, z;
+%(tables)s
 shl.b32 t, $3, 4;
 or.b32 sel, $2, t;
 shl.b32 t, $4, 8;
@@ -265,7 +274,7 @@ CODES_CONSTRAINTS = "=r,=r,r,r,r,r"  # two fp16x2 outputs (4 fp16 with pack=4), 
 
 
 @functools.lru_cache(maxsize=None)
-def lut3_codes_asm(words: tuple[int, int, int, int]) -> str:
-    """The asm decoding 4 int32 3-bit codes into their fp16 centroids (CODES_CONSTRAINTS); words: lut3_words'."""
-    l0, l1, h0, h1 = words
-    return _CODES_BODY % dict(l0=l0, l1=l1, h0=h0, h1=h1)
+def lut3_codes_asm(words: tuple[int, int, int, int], pinned: bool = False) -> str:
+    """The asm decoding 4 int32 3-bit codes into their fp16 centroids (CODES_CONSTRAINTS); words: lut3_words';
+    pinned: _tables'."""
+    return _CODES_BODY % dict(tables=_word_tables(words, pinned))

@@ -35,7 +35,9 @@ class LaunchConfig:
     head_dim 128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows
     (else each window's coordinates rotated apart). value_planes_asm: 3-bit value planes decoded straight from their
     loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane word built by Triton's integer
-    ops first). A field left None takes the plan's default for the shape and device."""
+    ops first). table_registers: the codebook key lookups' register-side table words kept in every thread's
+    registers through the walk (key_lut._tables; else ptxas copies them from uniform registers before each byte
+    permute). A field left None takes the plan's default for the shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -59,6 +61,7 @@ class LaunchConfig:
     rotation_16bit: bool | None = None
     query_butterfly: bool | None = None
     value_planes_asm: bool | None = None
+    table_registers: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -250,6 +250,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 32/8/128, B=16 (sm_90a SASS, Triton 3.9) 1,476 -> 1,347 instructions; not timed yet, so off by default
     planes_asm = bool(_pick(launch.value_planes_asm, False)) and planes_v and ptx
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
+    # the key lookups' table words pinned in registers (key_lut._tables): tile loops (sm_90a, Triton 3.6, 32/8/128,
+    # B=16) 4bit+defaults 1,438 -> 1,401 instructions, k3v4+defaults 1,202 -> 1,099 (spill instructions 37 -> 13),
+    # 3bit+defaults 1,581 -> 1,494; not timed yet, so off by default
+    pinned = bool(_pick(launch.table_registers, False))
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
@@ -270,10 +274,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         EXACT_16=exact16, RING_Q8=ring_q8,
         VALUE_WORDS=value_words, VALUE_PTX=value_ptx, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
-        LUT_LO=(lut_words_asm(kbytes[0]) if key_words else lut_asm(words, False)) if words else (
-            (lut3_codes_asm(words3) if stream3 else lut3_asm(words3, False)) if words3 else ""),
-        LUT_HI=("" if key_words else lut_asm(words, True)) if words else (
-            lut3_asm(words3, True) if words3 and not stream3 else ""),
+        LUT_LO=(lut_words_asm(kbytes[0], pinned) if key_words else lut_asm(words, False, pinned)) if words else (
+            (lut3_codes_asm(words3, pinned) if stream3 else lut3_asm(words3, False, pinned)) if words3 else ""),
+        LUT_HI=("" if key_words else lut_asm(words, True, pinned)) if words else (
+            lut3_asm(words3, True, pinned) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, ROT16=rot16, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
