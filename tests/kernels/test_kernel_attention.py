@@ -988,6 +988,25 @@ def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset,head_dim,batch,q_len", [("4bit", 128, 16, 1), ("4bit", 128, 2, 1), ("4bit", 128, 1, 8),
+                                                         ("k3v4", 128, 16, 1), ("3bit", 128, 1, 1), ("3bit", 64, 16, 1),
+                                                         ("k3v4", 256, 3, 1)])
+def test_table_registers_gpu(preset, head_dim, batch, q_len):
+    """The key lookups' table words pinned in registers (table_registers): 4-bit code words and bytes, 3-bit planes and
+    the bit stream against the reference, and the constant tables' output exactly (the same fp16 operands)."""
+    layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=True)
+    lens = [4099 - 37 * i for i in range(batch)]
+    kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
+              key_offset=torch.randn(4, head_dim, device="cuda"))
+    torch.manual_seed(6)
+    got, want = _check(layout, lens, q_len, 4, launch=LaunchConfig(table_registers=True), **kw)
+    torch.manual_seed(6)
+    plain, want_again = _check(layout, lens, q_len, 4, launch=LaunchConfig(table_registers=False), **kw)
+    assert torch.equal(want, want_again)  # the same inputs
+    assert torch.equal(got, plain), rel_error(got, plain)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [16, 2])
 def test_head_pairs_with_format_options_gpu(batch):
     """The 4bit preset's levers at real size with two KV heads per program (the launcher's default): key means per
