@@ -35,6 +35,7 @@ import torch
 if TYPE_CHECKING:
     from ..config import TurboQuantConfig
 
+
 def _tables(words: dict[str, int], pinned: bool) -> str:
     """PTX setting the table registers: l0 / h0 (the words `prmt` reads from a register; l1 / h1 are its
     immediates). pinned: XORed with an opaque zero (lane id x 3 >> 32), so ptxas keeps each in a register of every
