@@ -970,21 +970,28 @@ def test_decode_batch_filling_the_gpu_gpu(preset):
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,q_len,batch", [(128, 1, 16), (128, 1, 2), (128, 8, 1), (256, 1, 3)])
-def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
-    """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm): the reference's attention,
-    and the plane words' output exactly (the same fp16 operands), at decode and verification tiles, odd lengths."""
-    layout = make_layout("3bit", 4, head_dim, key_centering=True, value_rotation=True)
+def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, lever: str) -> None:
+    """A decode-path LaunchConfig lever that changes only how the same operands are made (LaunchConfig(lever=True)):
+    the reference's attention with the preset's levers at odd lengths, and the lever-off output exactly."""
+    layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=True)
     lens = [4099 - 37 * i for i in range(batch)]
     kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
               key_offset=torch.randn(4, head_dim, device="cuda"))
-    torch.manual_seed(5)
-    got, want = _check(layout, lens, q_len, 4, launch=LaunchConfig(value_planes_asm=True), **kw)
-    torch.manual_seed(5)
-    words, want_again = _check(layout, lens, q_len, 4, launch=LaunchConfig(value_planes_asm=False), **kw)
+    outputs = []
+    for on in (True, False):
+        torch.manual_seed(5)
+        outputs.append(_check(layout, lens, q_len, 4, launch=LaunchConfig(**{lever: on}), **kw))
+    (got, want), (off, want_again) = outputs
     assert torch.equal(want, want_again)  # the same inputs
-    assert torch.equal(got, words), rel_error(got, words)
+    assert torch.equal(got, off), rel_error(got, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,q_len,batch", [(128, 1, 16), (128, 1, 2), (128, 8, 1), (256, 1, 3)])
+def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
+    """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm), at decode and verification
+    tiles: the plane words' operands exactly."""
+    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_planes_asm")
 
 
 @pytest.mark.gpu
@@ -993,17 +1000,8 @@ def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
                                                          ("k3v4", 256, 3, 1)])
 def test_table_registers_gpu(preset, head_dim, batch, q_len):
     """The key lookups' table words pinned in registers (table_registers): 4-bit code words and bytes, 3-bit planes and
-    the bit stream against the reference, and the constant tables' output exactly (the same fp16 operands)."""
-    layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=True)
-    lens = [4099 - 37 * i for i in range(batch)]
-    kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
-              key_offset=torch.randn(4, head_dim, device="cuda"))
-    torch.manual_seed(6)
-    got, want = _check(layout, lens, q_len, 4, launch=LaunchConfig(table_registers=True), **kw)
-    torch.manual_seed(6)
-    plain, want_again = _check(layout, lens, q_len, 4, launch=LaunchConfig(table_registers=False), **kw)
-    assert torch.equal(want, want_again)  # the same inputs
-    assert torch.equal(got, plain), rel_error(got, plain)
+    the bit stream, the constant tables' operands exactly."""
+    _check_decode_lever_gpu(preset, head_dim, batch, q_len, "table_registers")
 
 
 @pytest.mark.gpu

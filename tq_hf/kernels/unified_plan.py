@@ -248,7 +248,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
     # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM): loop of 3bit+defaults at
     # 32/8/128, B=16 (sm_90a SASS, Triton 3.9) 1,476 -> 1,347 instructions; not timed yet, so off by default
-    planes_asm = bool(_pick(launch.value_planes_asm, False)) and planes_v and ptx
+    planes_asm = bool(_pick(launch.value_planes_asm, False)) and planes_v and ptx and block_m <= 32  # (plane words)
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
     # the key lookups' table words pinned in registers (key_lut._tables): tile loops (sm_90a, Triton 3.6, 32/8/128,
     # B=16) 4bit+defaults 1,438 -> 1,401 instructions, k3v4+defaults 1,202 -> 1,099 (spill instructions 37 -> 13),
