@@ -234,9 +234,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
     # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
     # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
-    bfly_default = on_gpu and decode and use_planes and d == 128 and hadamard and not batch_fills_gpu
-    query_butterfly = bool(_pick(launch.query_butterfly, bfly_default))
-    if query_butterfly and not (use_planes and d == 128 and hadamard):
+    bfly_ok = use_planes and d == 128 and hadamard
+    query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok and not batch_fills_gpu))
+    if query_butterfly and not bfly_ok:
         raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 under "
                          f"rotation='hadamard' (decode tiles of <= 32 rows); got {cfg.key_bits}-bit keys, head_dim {d}, "
                          f"rotation {cfg.rotation!r}, block_m {block_m}")
