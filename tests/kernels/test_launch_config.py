@@ -160,25 +160,26 @@ def test_query_butterfly_where_measured_faster():
                     ("k3v4", 128, 16, 1): False, ("4bit", 128, 1, 1): False, ("3bit", 64, 1, 1): False}
 
 
-def test_value_planes_from_bytes_only_where_asked():
-    """value_planes_asm (3-bit value planes' bytes decoded by one asm) is off by default; asked for, it takes the
-    3-bit value planes of a PTX device (VALUE_PTX 2) and leaves 4-bit values and the interpreter as they were."""
+def test_value_planes_from_bytes_where_measured_faster():
+    """value_planes_asm (3-bit value planes' bytes decoded by one asm) is on by default for the 3-bit value planes of
+    a PTX device (VALUE_PTX 2); it leaves 4-bit values and the interpreter as they were, and turns off when asked."""
     for preset, want in (("3bit", 2), ("k3v4", 1)):
         args = _decode_args(make_layout(preset, 8, 128, key_centering=True, value_rotation=True))
         default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
-        asked = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(value_planes_asm=True))
-        interpreted = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(value_planes_asm=True))
-        assert (default.constants["VALUE_PTX"], asked.constants["VALUE_PTX"]) == (1, want)
+        off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(value_planes_asm=False))
+        interpreted = plan_attention(*args, max_seq_len=32768)
+        assert (default.constants["VALUE_PTX"], off.constants["VALUE_PTX"]) == (want, 1)
         assert interpreted.constants["VALUE_PTX"] == 0
 
 
-def test_table_registers_only_where_asked():
-    """table_registers (the key lookups' table words pinned in registers) is off by default; asked for, every
-    codebook key lookup the plan builds reads the lane id (4-bit bytes and words, 3-bit planes, the 3-bit bit stream)."""
+def test_table_registers_where_measured_faster():
+    """table_registers (the key lookups' table words pinned in registers) is on by default: every codebook key
+    lookup the plan builds reads the lane id (4-bit bytes and words, 3-bit planes, the 3-bit bit stream); asked
+    off, none does."""
     for preset, head_dim, batch in (("4bit", 128, 16), ("4bit", 128, 1), ("k3v4", 128, 16), ("3bit", 64, 16)):
         args = _decode_args(make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True), batch)
         default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
-        asked = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(table_registers=True))
-        assert default.constants["LUT_LO"] and "%laneid" not in default.constants["LUT_LO"] + default.constants["LUT_HI"]
-        assert "%laneid" in asked.constants["LUT_LO"], (preset, head_dim, batch)
-        assert asked.constants["LUT_HI"] == "" or "%laneid" in asked.constants["LUT_HI"]
+        off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(table_registers=False))
+        assert off.constants["LUT_LO"] and "%laneid" not in off.constants["LUT_LO"] + off.constants["LUT_HI"]
+        assert "%laneid" in default.constants["LUT_LO"], (preset, head_dim, batch)
+        assert default.constants["LUT_HI"] == "" or "%laneid" in default.constants["LUT_HI"]

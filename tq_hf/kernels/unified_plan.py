@@ -246,14 +246,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
     rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
-    # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM): loop of 3bit+defaults at
-    # 32/8/128, B=16 (sm_90a SASS, Triton 3.9) 1,476 -> 1,347 instructions; not timed yet, so off by default
-    planes_asm = bool(_pick(launch.value_planes_asm, False)) and planes_v and ptx and block_m <= 32  # (plane words)
+    # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM) where Triton's 16-bit integer
+    # ops built each token's plane word: 3bit+defaults S=32k (H100) B=1 0.0567 -> 0.0554 ms, B=16 0.5495 -> 0.5279,
+    # 8 queries 0.0862 -> 0.0829 (with table_registers); the loop 1,476 -> 1,347 instructions (B=16, sm_90a)
+    planes_asm = bool(_pick(launch.value_planes_asm, True)) and planes_v and ptx and block_m <= 32  # (plane words)
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
-    # the key lookups' table words pinned in registers (key_lut._tables): tile loops (sm_90a, Triton 3.6, 32/8/128,
-    # B=16) 4bit+defaults 1,438 -> 1,401 instructions, k3v4+defaults 1,202 -> 1,099 (spill instructions 37 -> 13),
-    # 3bit+defaults 1,581 -> 1,494; not timed yet, so off by default
-    pinned = bool(_pick(launch.table_registers, False))
+    # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
+    # register before each byte permute. S=32k (H100): B=16 4bit+defaults 0.2298 -> 0.2271 ms, k3v4+defaults 0.3600
+    # -> 0.3538, 3bit+defaults (planes from bytes) 0.5279 -> 0.5272; B=1 k3v4 0.0475 -> 0.0472, 3bit 0.0554 -> 0.0551;
+    # 8 queries 4bit 0.0644 -> 0.0630. (3bit without the byte-plane asm: B=1 0.0567 -> 0.0571, so the two go together)
+    pinned = bool(_pick(launch.table_registers, True))
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
