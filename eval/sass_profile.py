@@ -2,7 +2,8 @@
 
 Each preset's decode launch at a shape (B rows of S tokens, Hq/Hk/D) is planned as on an H200 and compiled for
 sm_90a (eval.compile_check); nvdisasm (bundled with Triton) lists the machine code, and the loop with the most
-tensor-core instructions is the walk over the pool's tiles. Its instructions are counted by class, and
+tensor-core instructions is the walk over the pool's tiles. Its instructions are counted by class (the program's
+instructions before the first loop and after the last beside them: what a short walk repeats per split), and
 "thread-instructions per byte" = loop instructions x threads / the compressed bytes one loop iteration reads.
 The H200 issues ~33 T thread-instructions/s (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) against ~4.2 TB/s,
 about 8 per byte: a decoder above that is bound by issuing instructions, not by memory.
@@ -81,6 +82,17 @@ def tile_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[I
     return best[2] if best else []
 
 
+def outside_loops(instructions: list[Instruction], labels: dict[str, int]) -> tuple[int, int]:
+    """(instructions before the first loop, after the last): a program's fixed cost around its walks (the query's
+    preparation; the epilogue's normalisation, rotation back and stores), which short walks (B=1 splits) repeat."""
+    loops = [(labels[t.group(1)], ins.address) for ins in instructions if ins.opcode.startswith("BRA")
+             for t in [re.search(r"(\.L_x_\d+)", ins.operands)] if t and labels.get(t.group(1), ins.address) < ins.address]
+    if not loops:
+        return len(instructions), 0
+    first, last = min(start for start, _ in loops), max(end for _, end in loops)
+    return sum(x.address < first for x in instructions), sum(x.address > last for x in instructions)
+
+
 def classify(body: list[Instruction]) -> collections.Counter:
     counts = collections.Counter()
     for ins in body:
@@ -107,8 +119,8 @@ def disassemble(cubin: bytes) -> tuple[str, int]:
 
 
 # name -> LaunchConfig overrides
-VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "value_planes_asm": {"value_planes_asm": True},
-            "table_registers": {"table_registers": True}, "both": {"value_planes_asm": True, "table_registers": True}}
+VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "plane_words": {"value_planes_asm": False},
+            "table_constants": {"table_registers": False}}
 
 
 def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str = "default"):
@@ -146,14 +158,16 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
         fn, args, kwargs, layout, plan = decode_launch(preset, batch, length, shape, variant)
         kernel = compile_variant(fn, args, kwargs, arch)
     text, regs = disassemble(kernel.asm["cubin"])
-    body = tile_loop(*parse_sass(text))
+    instructions, labels = parse_sass(text)
+    body = tile_loop(instructions, labels)
+    before, after = outside_loops(instructions, labels)
     heads = kwargs.get("HEADS_PER_PROGRAM", 1)
     tile_bytes = plan.block_n * heads * layout.plane_bytes // layout.block_size
     threads = kwargs.get("num_warps", 4) * 32
     return {"preset": preset, "shape": "/".join(map(str, shape)), "variant": variant, "kernel": fn.__name__, "block_n": plan.block_n, "heads_per_program": heads,
             "warps": threads // 32, "registers": regs, "shared_bytes": kernel.metadata.shared,
             "ring": ("int8 records" if kwargs.get("RING_Q8") else "exact") if kwargs.get("HAS_RECENT") else None,
-            "loop_instructions": len(body), "tile_bytes": tile_bytes,
+            "loop_instructions": len(body), "before_loops": before, "after_loops": after, "tile_bytes": tile_bytes,
             "thread_instructions_per_byte": len(body) * threads / tile_bytes if tile_bytes else None,
             "classes": dict(classify(body).most_common())}
 
@@ -164,13 +178,14 @@ def markdown(report: dict) -> str:
     lines = [f"# Decode tile loop, sm_{report['arch']} SASS (no GPU)", "", f"Command: `{report['command']}`  ",
              f"Triton {report['triton']}; B={report['batch']}, S={report['length']}; the H200 issues "
              f"~{ISSUE_PER_BYTE:.1f} thread-instructions per byte it streams", "",
-             "| Hq/Hk/D | preset | launch | kernel | BLOCK_N x heads | warps | registers | shared B | loop instr. | bytes per tile | "
-             "thread-instr. per byte | " + " | ".join(classes) + " |",
-             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(classes)]
+             "| Hq/Hk/D | preset | launch | kernel | BLOCK_N x heads | warps | registers | shared B | loop instr. | "
+             "before / after the loops | bytes per tile | thread-instr. per byte | " + " | ".join(classes) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(classes)]
     for r in rows:
         per_byte = r["thread_instructions_per_byte"]
         lines.append(f"| {r['shape']} | {r['preset']} | {r.get('variant', 'default')} | {r['kernel']} | {r['block_n']} x {r['heads_per_program']} | {r['warps']} | "
-                     f"{r['registers']} | {r['shared_bytes']} | {r['loop_instructions']} | {r['tile_bytes']} | "
+                     f"{r['registers']} | {r['shared_bytes']} | {r['loop_instructions']} | "
+                     f"{r.get('before_loops', '-')} / {r.get('after_loops', '-')} | {r['tile_bytes']} | "
                      f"{per_byte:.1f} | " + " | ".join(str(r["classes"].get(c, 0)) for c in classes) + " |")
     return "\n".join(lines) + "\n"
 
@@ -189,8 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="Hq/Hk/D head shapes")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                     help="launch overrides to profile beside the default plan (key_lut: 4-bit and 3-bit-plane keys by "
-                         "byte permutes at every head_dim; value_planes_asm: 3-bit value planes decoded from their "
-                         "loaded bytes by one asm; table_registers: the key lookups' table words pinned in registers; both: the two)")
+                         "byte permutes at every head_dim; plane_words: 3-bit value planes through 16-bit plane words "
+                         "instead of from their loaded bytes; table_constants: the key lookups' table words as "
+                         "constants instead of pinned in registers)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.sass_profile import _tool, classify, markdown, parse_sass, tile_loop
+from eval.sass_profile import _tool, classify, markdown, outside_loops, parse_sass, tile_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTING = """
@@ -35,13 +35,23 @@ def test_the_tile_loop_is_the_backward_branch_with_tensor_core_work():
     assert counts == {"LDG": 1, "PRMT": 1, "HMMA": 1, "other": 1}  # BRA falls in "other"
 
 
+def test_the_fixed_cost_is_what_lies_outside_every_loop():
+    """Before the first loop's start (the MOV) and after the last loop's branch (the EXIT); a forward branch is no
+    loop."""
+    instructions, labels = parse_sass(LISTING)
+    assert outside_loops(instructions, labels) == (1, 1)
+    forward = LISTING.replace("@P0 BRA `(.L_x_0)", "@P0 BRA `(.L_x_1)")
+    assert outside_loops(*parse_sass(forward)) == (4, 1)  # only the loop at 0x40 is left
+
+
 def test_table_has_a_row_per_shape_and_preset():
     row = {"preset": "4bit", "shape": "32/8/128", "kernel": "_attn_kernel", "block_n": 128, "heads_per_program": 2,
-           "warps": 4, "registers": 239, "shared_bytes": 75776, "loop_instructions": 1404, "tile_bytes": 34304,
+           "warps": 4, "registers": 239, "shared_bytes": 75776, "loop_instructions": 1404, "before_loops": 1466,
+           "after_loops": 671, "tile_bytes": 34304,
            "thread_instructions_per_byte": 5.24, "classes": {"HMMA": 128, "PRMT": 224}}
     md = markdown({"command": "python -m eval.sass_profile", "triton": "3.6.0", "arch": 90, "batch": 16,
                    "length": 32768, "rows": [row]})
-    assert "| 32/8/128 | 4bit | default | _attn_kernel | 128 x 2 | 4 | 239 | 75776 | 1404 | 34304 | 5.2 |" in md
+    assert "| 32/8/128 | 4bit | default | _attn_kernel | 128 x 2 | 4 | 239 | 75776 | 1404 | 1466 / 671 | 34304 | 5.2 |" in md
     assert "| 128 | 224 |" in md.replace(" 0 |", "")
 
 

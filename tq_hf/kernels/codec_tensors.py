@@ -37,3 +37,11 @@ def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
     if rot is None:
         return torch.ones(1, dtype=torch.float32, device=device)
     return rot.float().contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def value_rotation_units(layout: BlockLayout, device: str) -> torch.Tensor:
+    """Rv x sqrt(D) [D, D] in fp16 for the 16-bit rotation back of the values (rotation="hadamard": every entry
+    +-1, exact): the attention's epilogue loads it as the MMA operand, half the bytes of Rv and no conversion."""
+    rot = value_rotation_tensor(layout, device)
+    return (rot * torch.tensor(float(layout.head_dim)).sqrt()).to(torch.float16).contiguous()

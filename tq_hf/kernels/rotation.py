@@ -43,13 +43,6 @@ def split_dot(x, m, acc, TERMS: tl.constexpr = 2):
 
 
 @triton.jit
-def unit_rotation_rows(ptr, mask, D: tl.constexpr):
-    """Rows of a rotation whose entries are +-1/sqrt(D) (a randomized Hadamard, rotation="hadamard"), loaded and
-    scaled to +-1 in fp16 (exact) for split_dot."""
-    return (tl.load(ptr, mask=mask, other=0.0) * tl.sqrt(D * 1.0)).to(tl.float16)
-
-
-@triton.jit
 def hadamard_signs(rot_ptr, idx, n):
     """The signs s[idx] (+-1.0) of a rotation R = H diag(s) / sqrt(D) (codebook.py, rotation="hadamard"):
     R's row 0 (H[0, :] = 1); 1.0 where idx >= n."""

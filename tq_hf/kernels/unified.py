@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .code_decoders import value_col
-from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot, unit_rotation_rows
+from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot
 from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
@@ -120,7 +120,7 @@ def _attn_kernel(
     rot_ptr,  # [D, D] fp32 rotation R (codebook keys)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids by stored code (codebook keys; reference.stored_codes)
     koff_ptr, s_koff,  # fp32 key_centering mean [Hk, D] (s_koff 0) or [B, Hk, D] per row, if HAS_KEY_OFFSET
-    vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT
+    vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT; under ROT16 Rv x sqrt(D) in fp16
     pout_ptr,  # [B, Hk, row tiles, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
     plse_ptr,  # [B, Hk, row tiles, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
     pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
@@ -447,11 +447,11 @@ def _attn_kernel(
                 if FOUR_ACC:
                     n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
                 n = n[:, None]
-                out = split_dot(out0 / n, unit_rotation_rows(rv0, rmask, D), tl.zeros((BLOCK_M, DP), tl.float32))
-                out = split_dot(out1 / n, unit_rotation_rows(rv1, rmask, D), out)
+                out = split_dot(out0 / n, tl.load(rv0, mask=rmask, other=0.0), tl.zeros((BLOCK_M, DP), tl.float32))
+                out = split_dot(out1 / n, tl.load(rv1, mask=rmask, other=0.0), out)
                 if FOUR_ACC:
-                    out = split_dot(out2 / n, unit_rotation_rows(rv2, rmask, D), out)
-                    out = split_dot(out3 / n, unit_rotation_rows(rv3, rmask, D), out)
+                    out = split_dot(out2 / n, tl.load(rv2, mask=rmask, other=0.0), out)
+                    out = split_dot(out3 / n, tl.load(rv3, mask=rmask, other=0.0), out)
                 out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
             else:
                 out = tl.dot(out0, tl.load(rv0, mask=rmask, other=0.0), input_precision="tf32x3")

@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..layout import BlockLayout, key_planes, value_planes
-from .codec_tensors import next_pow2
+from .codec_tensors import next_pow2, value_rotation_units
 from .device import DeviceTraits
 from .key_lut import (config_lut3_words, config_lut_bytes, config_lut_words, lut3_asm, lut3_codes_asm, lut_asm,
                       lut_words_asm)
@@ -246,6 +246,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
     rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
+    if rot16 and not rot_in_reduce and (cfg.value_bits == 4 or planes_v):
+        # Rv's +-1 entries as fp16 (value_rotation_units), where each program converted 64 KB of fp32 Rv in its
+        # epilogue: 366 of 1,015 epilogue instructions at B=1 (4bit+defaults, 32/8/128, sm_90a)
+        vrot = value_rotation_units(layout, str(pool.device))
     # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM) where Triton's 16-bit integer
     # ops built each token's plane word: 3bit+defaults S=32k (H100) B=1 0.0567 -> 0.0554 ms, B=16 0.5495 -> 0.5279,
     # 8 queries 0.0862 -> 0.0829 (with table_registers); the loop 1,476 -> 1,347 instructions (B=16, sm_90a)
