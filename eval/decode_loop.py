@@ -9,7 +9,9 @@ the copy bandwidth measured in the same run. Model: a random-init Llama with Lla
 Two timings: "step" synchronizes after every step (as generate() does, which checks its stopping criteria
 on the host each token: the host's part of a step adds to the device's), "pipelined" runs the steps back
 to back with the position advanced on the device and one synchronization at the end (as gpt-fast's loop
-runs: the host prepares the next replay while the device works); "host" is the host's time per call there.
+runs: the host prepares the next replay while the device works); "host" is the host's time per step there, and
+"host per call" the compiled call's alone, with dynamo's guard evaluation and without it (torch.compiler.set_stance's
+skip_guard_eval_unsafe).
 
     python -m eval.decode_loop --layers 32 --lengths 32768 131072 --caches fp16 4bit
 
@@ -92,7 +94,8 @@ def kernel_profile(events, steps: int, top: int = 12) -> dict:
 
 
 def run_point(model, name: str, length: int, steps: int, warmup: int, device: str, profile_steps: int = 0) -> dict:
-    capacity = length + warmup + 2 * steps + profile_steps + 1
+    # (StaticCache writes at its own running length: each call takes a slot, the host timings' 6 x steps too)
+    capacity = length + warmup + 8 * steps + profile_steps + 1
     cache = make_cache(name, model.config, capacity)
     ids = torch.randint(3, model.config.vocab_size, (1, length), device=device)
     kwargs = common.with_cache(model, cache)
@@ -135,6 +138,12 @@ def run_point(model, name: str, length: int, steps: int, warmup: int, device: st
             end.record()
             sync()
             pipelined = start.elapsed_time(end) / steps
+        # the compiled call's own host time, then without dynamo's guard evaluation (nothing changes between these
+        # calls, so set_stance's unsafe skip runs the same graph): how much of it the guards are
+        call = lambda: step(input_ids=token, position_ids=pos, cache_position=pos[0], use_cache=True, **kwargs)  # noqa: E731
+        host_call = host_ms(call, steps, sync)
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            host_unguarded = host_ms(call, steps, sync)
         profile = None
         if profile_steps and device == "cuda":
             from torch.profiler import ProfilerActivity, profile as profiler
@@ -145,7 +154,21 @@ def run_point(model, name: str, length: int, steps: int, warmup: int, device: st
                 sync()
             profile = kernel_profile(prof.events(), profile_steps)
     return {"cache": name, "context": length, "step_ms": statistics.median(times) if times else None,
-            "pipelined_ms": pipelined, "host_ms": host, "cache_bytes": cache_bytes(cache), "profile": profile}
+            "pipelined_ms": pipelined, "host_ms": host, "host_call_ms": host_call, "host_call_unguarded_ms": host_unguarded,
+            "cache_bytes": cache_bytes(cache), "profile": profile}
+
+
+def host_ms(call, calls: int, sync) -> float:
+    """Host milliseconds per call of `call`, `calls` back to back (best of 3 rounds; the device drained before each)."""
+    best = float("inf")
+    for _ in range(3):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - t0) * 1e3 / calls)
+    sync()
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,10 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     common.write_json(out / "results.json", report)
     fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
     table = common.markdown_table(
-        ["S", "cache", "step ms", "vs fp16", "pipelined ms", "vs fp16", "host ms per step", "byte floor ms",
-         "step vs floor", "pipelined vs floor", "cache GiB"],
+        ["S", "cache", "step ms", "vs fp16", "pipelined ms", "vs fp16", "host ms per step",
+         "host ms per call / without guards", "byte floor ms", "step vs floor", "pipelined vs floor", "cache GiB"],
         [[r["context"], r["cache"], fmt(r["step_ms"], ".3f"), fmt(r.get("step_vs_fp16"), ".2f"),
           fmt(r.get("pipelined_ms"), ".3f"), fmt(r.get("pipelined_vs_fp16"), ".2f"), fmt(r.get("host_ms"), ".3f"),
+          f"{fmt(r.get('host_call_ms'), '.3f')} / {fmt(r.get('host_call_unguarded_ms'), '.3f')}",
           fmt(r.get("floor_ms"), ".3f"), fmt(r.get("vs_floor"), ".2f"), fmt(r.get("pipelined_vs_floor"), ".2f"),
           f"{r['cache_bytes'] / GIB:.2f}"] for r in rows])
     head = common.md_header("Compiled decode step in a manual loop", report["meta"]["command"], f"model: {description}",

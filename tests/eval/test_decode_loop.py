@@ -14,6 +14,8 @@ def test_cli_end_to_end(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["results"]
     assert [(r["cache"], r["context"]) for r in rows] == [("fp16", 40), ("4bit", 40)]
     assert rows[1]["cache_bytes"] > 0
+    for row in rows:  # the compiled call's host time, and without guard evaluation (the same graph, less work)
+        assert 0 < row["host_call_unguarded_ms"] and 0 < row["host_call_ms"]
     assert "| 40 | 4bit |" in (tmp_path / "table.md").read_text()
 
 
