@@ -282,6 +282,9 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     base, want_again = _check(layout, [9, 70, 133], 1, 4, launch=LaunchConfig(rotation_16bit=False), **kw)
     assert torch.equal(want, want_again)  # the same inputs
     assert rel_error(got, base) <= 2 ** -20, rel_error(got, base)
+    torch.manual_seed(7)  # Rv's entries read as fp16 units (the default) or scaled from fp32 Rv: the same operands
+    converted, _ = _check(layout, [9, 70, 133], 1, 4, launch=LaunchConfig(rotation_16bit=True, rotation_units=False), **kw)
+    assert torch.equal(got, converted)
 
 
 @pytest.mark.parametrize("preset,q_len", [("k3v4", 1), ("3bit", 8)])
@@ -992,6 +995,13 @@ def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
     """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm), at decode and verification
     tiles: the plane words' operands exactly."""
     _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_planes_asm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,batch,q_len", [("4bit", 1, 1), ("k8v4", 16, 1), ("3bit", 1, 8)])
+def test_rotation_units_gpu(preset, batch, q_len):
+    """The 16-bit epilogue's Rv entries read as fp16 units (rotation_units): the converted fp32 rows' output exactly."""
+    _check_decode_lever_gpu(preset, 128, batch, q_len, "rotation_units")
 
 
 @pytest.mark.gpu

@@ -183,3 +183,22 @@ def test_table_registers_where_measured_faster():
         assert off.constants["LUT_LO"] and "%laneid" not in off.constants["LUT_LO"] + off.constants["LUT_HI"]
         assert "%laneid" in default.constants["LUT_LO"], (preset, head_dim, batch)
         assert default.constants["LUT_HI"] == "" or "%laneid" in default.constants["LUT_HI"]
+
+
+def test_rotation_units_with_the_16_bit_epilogue():
+    """rotation_units: where the 16-bit epilogue rotates the values back (a GPU's decode at head_dim 128), the plan
+    hands it Rv x sqrt(D) in fp16 (exact +-1); asked off, or with the 3xTF32 epilogue, the fp32 Rv."""
+    import math
+    for preset in ("4bit", "3bit"):
+        layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+        args = _decode_args(layout)
+        default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+        off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(rotation_units=False))
+        tf32 = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(rotation_16bit=False))
+        assert default.constants["ROT16"] and default.constants["ROT16_UNITS"], preset
+        assert default.vrot.dtype == torch.float16 and set(default.vrot.unique().tolist()) == {-1.0, 1.0}
+        # the entries the converting epilogue makes of fp32 Rv (rotation.unit_rotation_rows): the same operand
+        assert torch.equal(default.vrot, (off.vrot * torch.tensor(128.0).sqrt()).half())
+        assert torch.allclose(off.vrot.double() * math.sqrt(128), default.vrot.double(), rtol=0, atol=1e-6)
+        for plan in (off, tf32):
+            assert not plan.constants["ROT16_UNITS"] and plan.vrot.dtype == torch.float32

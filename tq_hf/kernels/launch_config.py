@@ -37,7 +37,8 @@ class LaunchConfig:
     loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane word built by Triton's integer
     ops first). table_registers: the codebook key lookups' register-side table words kept in every thread's
     registers through the walk (key_lut._tables; else ptxas copies them from uniform registers before each byte
-    permute). A field left None takes the plan's default for the shape and device."""
+    permute). rotation_units: rotation_16bit's operand read as fp16 +-1 entries (Rv x sqrt(D); else each program
+    scales and converts fp32 Rv). A field left None takes the plan's default for the shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -62,6 +63,7 @@ class LaunchConfig:
     query_butterfly: bool | None = None
     value_planes_asm: bool | None = None
     table_registers: bool | None = None
+    rotation_units: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -43,6 +43,16 @@ def split_dot(x, m, acc, TERMS: tl.constexpr = 2):
 
 
 @triton.jit
+def unit_rotation_rows(ptr, mask, D: tl.constexpr, UNITS: tl.constexpr):
+    """Rows of a rotation whose entries are +-1/sqrt(D) (a randomized Hadamard, rotation="hadamard") as fp16 +-1 for
+    split_dot: read as they are where ptr holds them so (UNITS: codec_tensors.value_rotation_units), else the fp32
+    rotation's rows loaded and scaled (exact)."""
+    if UNITS:
+        return tl.load(ptr, mask=mask, other=0.0)
+    return (tl.load(ptr, mask=mask, other=0.0) * tl.sqrt(D * 1.0)).to(tl.float16)
+
+
+@triton.jit
 def hadamard_signs(rot_ptr, idx, n):
     """The signs s[idx] (+-1.0) of a rotation R = H diag(s) / sqrt(D) (codebook.py, rotation="hadamard"):
     R's row 0 (H[0, :] = 1); 1.0 where idx >= n."""

@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .code_decoders import value_col
-from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot
+from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot, unit_rotation_rows
 from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
@@ -120,7 +120,7 @@ def _attn_kernel(
     rot_ptr,  # [D, D] fp32 rotation R (codebook keys)
     cent_ptr,  # [2**KEY_BITS] fp32 centroids by stored code (codebook keys; reference.stored_codes)
     koff_ptr, s_koff,  # fp32 key_centering mean [Hk, D] (s_koff 0) or [B, Hk, D] per row, if HAS_KEY_OFFSET
-    vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT; under ROT16 Rv x sqrt(D) in fp16
+    vrot_ptr,  # [D, D] fp32 value rotation Rv (values stored as v @ Rv^T), if VALUE_ROT; under ROT16_UNITS Rv x sqrt(D) in fp16
     pout_ptr,  # [B, Hk, row tiles, NS, BLOCK_M, DP] fp32 split partial outputs, if SPLIT
     plse_ptr,  # [B, Hk, row tiles, NS, BLOCK_M] fp32 split log2-sum-exp, if SPLIT
     pk_ptr, s_pkb, s_pkh, s_pkp,  # [B, Hk, P, D] fp16/bf16/fp32 exact prefix keys, if HAS_PREFIX
@@ -158,6 +158,7 @@ def _attn_kernel(
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
     QUERY_BUTTERFLY: tl.constexpr,  # 3-bit key planes at head_dim 128 under HADAMARD: the query rotated once by the butterfly
     ROT16: tl.constexpr,  # 4-bit values' rotation back (Rv's entries +-1/sqrt(D)) by 16-bit dots instead of 3xTF32
+    ROT16_UNITS: tl.constexpr,  # (ROT16) vrot_ptr holds Rv x sqrt(D) in fp16 (else fp32 Rv, scaled here)
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
     ROT_IN_REDUCE: tl.constexpr,  # SPLIT and VALUE_ROT: partials stay in the rotated value space (reduce.py rotates)
     PARTIAL_W: tl.constexpr,  # fp32 values per split partial row: DP, or 2 x DP (ROT_IN_REDUCE with EXACT_ACC)
@@ -447,11 +448,11 @@ def _attn_kernel(
                 if FOUR_ACC:
                     n = tl.maximum(n, tl.maximum(row_norm(out2), row_norm(out3)))
                 n = n[:, None]
-                out = split_dot(out0 / n, tl.load(rv0, mask=rmask, other=0.0), tl.zeros((BLOCK_M, DP), tl.float32))
-                out = split_dot(out1 / n, tl.load(rv1, mask=rmask, other=0.0), out)
+                out = split_dot(out0 / n, unit_rotation_rows(rv0, rmask, D, ROT16_UNITS), tl.zeros((BLOCK_M, DP), tl.float32))
+                out = split_dot(out1 / n, unit_rotation_rows(rv1, rmask, D, ROT16_UNITS), out)
                 if FOUR_ACC:
-                    out = split_dot(out2 / n, tl.load(rv2, mask=rmask, other=0.0), out)
-                    out = split_dot(out3 / n, tl.load(rv3, mask=rmask, other=0.0), out)
+                    out = split_dot(out2 / n, unit_rotation_rows(rv2, rmask, D, ROT16_UNITS), out)
+                    out = split_dot(out3 / n, unit_rotation_rows(rv3, rmask, D, ROT16_UNITS), out)
                 out = out * (n * (1.0 / tl.sqrt(D * 1.0)))
             else:
                 out = tl.dot(out0, tl.load(rv0, mask=rmask, other=0.0), input_precision="tf32x3")

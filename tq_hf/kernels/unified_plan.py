@@ -246,9 +246,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
     rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
-    if rot16 and not rot_in_reduce and (cfg.value_bits == 4 or planes_v):
-        # Rv's +-1 entries as fp16 (value_rotation_units), where each program converted 64 KB of fp32 Rv in its
-        # epilogue: 366 of 1,015 epilogue instructions at B=1 (4bit+defaults, 32/8/128, sm_90a)
+    # Rv's +-1 entries read as fp16 (value_rotation_units), where each program converted 64 KB of fp32 Rv in its
+    # epilogue: 366 of 1,015 epilogue instructions at B=1 (4bit+defaults, 32/8/128, sm_90a)
+    rot16_units = (rot16 and not rot_in_reduce and (cfg.value_bits == 4 or planes_v)
+                   and bool(_pick(launch.rotation_units, True)))
+    if rot16_units:
         vrot = value_rotation_units(layout, str(pool.device))
     # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM) where Triton's 16-bit integer
     # ops built each token's plane word: 3bit+defaults S=32k (H100) B=1 0.0567 -> 0.0554 ms, B=16 0.5495 -> 0.5279,
@@ -285,7 +287,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         LUT_HI=("" if key_words else lut_asm(words, True, pinned)) if words else (
             lut3_asm(words3, True, pinned) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, ROT16=rot16, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, ROT16=rot16, ROT16_UNITS=rot16_units, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return AttentionPlan(
