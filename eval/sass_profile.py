@@ -172,6 +172,52 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
             "classes": dict(classify(body).most_common())}
 
 
+def store_launch(preset: str, batch: int, shape: tuple[int, int, int]):
+    """The compiled store kernel of one decode step (a token per row, `batch` rows, the ring and lengths written as
+    the cache writes them), launched as on an H200; call inside compile_check.compile_only (nothing runs)."""
+    import triton.runtime.jit as jit
+
+    from tq_hf.kernels import store_kv
+    from tq_hf.layout import BlockLayout
+
+    _, hk, d = shape
+    cfg = make_config(preset)
+    layout = BlockLayout(cfg, hk, d)
+    key, value = (torch.randn(batch, hk, d, dtype=torch.float16) for _ in range(2))
+    ring = exact_buffers(layout, batch, 0, cfg.recent_window, device="cpu")
+    kwargs = {"key_offset": torch.randn(hk, d) if cfg.key_centering else None}
+    if "recent_keys" in ring:
+        kwargs.update(recent=(ring["recent_keys"], ring["recent_values"]),
+                      seq_lens=torch.zeros(batch, dtype=torch.int32), start=100)
+    compiled, run = [], jit.JITFunction.run
+
+    def recording(self, *args, **kw):
+        out = run(self, *args, **kw)
+        compiled.append(out)
+        return out
+
+    jit.JITFunction.run = recording
+    try:
+        store_kv(layout.allocate(batch + 1, "cpu"), layout, key, value, torch.arange(batch), **kwargs)
+    finally:
+        jit.JITFunction.run = run
+    return compiled[-1]
+
+
+def store_profile(preset: str, batch: int, shape: tuple[int, int, int], arch: int = 90) -> dict:
+    """The decode store's machine code: instructions, barriers, tensor-core instructions, registers (one short chain
+    per program: its instruction count measures its latency, where a walk's loop measures its throughput)."""
+    from .compile_check import compile_only
+
+    with compile_only(arch):
+        kernel = store_launch(preset, batch, shape)
+    text, regs = disassemble(kernel.asm["cubin"])
+    instructions, _ = parse_sass(text)
+    count = lambda prefix: sum(x.opcode.startswith(prefix) for x in instructions)  # noqa: E731
+    return {"preset": preset, "shape": "/".join(map(str, shape)), "batch": batch, "instructions": len(instructions),
+            "barriers": count("BAR"), "hmma": count("HMMA"), "registers": regs, "shared_bytes": kernel.metadata.shared}
+
+
 def markdown(report: dict) -> str:
     rows = report["rows"]
     classes = [name for name, _ in CLASSES if any(name in r["classes"] for r in rows)] + ["other"]
@@ -187,6 +233,12 @@ def markdown(report: dict) -> str:
                      f"{r['registers']} | {r['shared_bytes']} | {r['loop_instructions']} | "
                      f"{r.get('before_loops', '-')} / {r.get('after_loops', '-')} | {r['tile_bytes']} | "
                      f"{per_byte:.1f} | " + " | ".join(str(r["classes"].get(c, 0)) for c in classes) + " |")
+    if report.get("store"):
+        lines += ["", f"Decode store (one token per row, B={report['batch']}): the whole kernel", "",
+                  "| Hq/Hk/D | preset | instructions | barriers | HMMA | registers | shared B |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['preset']} | {r['instructions']} | {r['barriers']} | {r['hmma']} | "
+                  f"{r['registers']} | {r['shared_bytes']} |" for r in report["store"]]
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "byte permutes at every head_dim; plane_words: 3-bit value planes through 16-bit plane words "
                          "instead of from their loaded bytes; table_constants: the key lookups' table words as "
                          "constants instead of pinned in registers)")
+    ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)
@@ -215,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
               "arch": args.arch, "batch": args.batch, "length": args.length,
               "rows": [profile(p, args.batch, args.length, shape, args.arch, v) for shape in args.shapes
                        for p in args.presets for v in args.variants]}
+    if args.store:
+        report["store"] = [store_profile(p, args.batch, shape, args.arch) for shape in args.shapes for p in args.presets]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", report)

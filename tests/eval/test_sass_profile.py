@@ -62,10 +62,16 @@ def test_a_real_decode_launch_profiles(tmp_path):
         pytest.skip("no nvdisasm in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "eval.sass_profile", "--presets", "k8v4", "4bit+defaults", "--shapes",
-                          "32/8/128", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
+                          "32/8/128", "--store", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    report = json.loads((tmp_path / "results.json").read_text())
+    # the decode store: the codebook keys' rotation and quantization take more than FP8 keys' scaling
+    store = {r["preset"]: r for r in report["store"]}
+    assert store["4bit+defaults"]["instructions"] > store["k8v4"]["instructions"] > 0
+    assert store["4bit+defaults"]["hmma"] > 0 and store["k8v4"]["barriers"] > 0
+    assert "| 32/8/128 | 4bit+defaults | " + str(store["4bit+defaults"]["instructions"]) in (tmp_path / "table.md").read_text()
+    rows = report["rows"]
     assert [(r["preset"], r["ring"]) for r in rows] == [("k8v4", None), ("4bit+defaults", "int8 records")]
     for row in rows:
         assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0

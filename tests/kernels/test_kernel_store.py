@@ -314,6 +314,36 @@ def test_store_format_options_real_size_gpu(preset, n):
     print(f"{preset} options N={n}: {flips} boundary code flips of {n * 8 * 128}")
 
 
+def _stored_both_ways(preset, head_dim, n, device):
+    """The pool after one store with the rotations' fp16 units read (the default) and with their entries built in
+    registers (StoreLaunchConfig(rotation_units=False)), the same inputs."""
+    layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
+    key, value, slots = _inputs(n, layout, torch.bfloat16, device=device)
+    mu = _key_mean(layout, device)
+    pools = []
+    for units in (None, False):
+        pool = layout.allocate((n + 20) // 16 + 1, device).fill_(0xA5)
+        store_kv(pool, layout, key, value, slots, key_offset=mu, launch=StoreLaunchConfig(rotation_units=units))
+        pools.append(pool)
+    return pools
+
+
+@pytest.mark.parametrize("preset,head_dim", [("4bit", 64), ("3bit", 128), ("k8v4", 64), ("k3v4", 32)])
+def test_store_rotation_units_equal_the_registers_entries(preset, head_dim):
+    """Under rotation="hadamard" the store reads R's and Rv's +-1 entries as fp16 units (the signs the register-built
+    path puts on the input ride in them): the same bytes, every one (a transposed or unscaled operand is far off)."""
+    units, built = _stored_both_ways(preset, head_dim, 21, DEVICE)
+    assert torch.equal(units, built)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k3v4", "3bit"])
+@pytest.mark.parametrize("n", [1, 16, 4099])
+def test_store_rotation_units_gpu(preset, n):
+    units, built = _stored_both_ways(preset, 128, n, "cuda")
+    assert torch.equal(units, built)
+
+
 def test_store_without_the_symmetric_bucketing_matches_reference(monkeypatch):
     """The 15-compare bucketing + remap the store falls back to for a codebook that is not exactly
     symmetric in fp32 (none of the Lloyd-Max codebooks so far): the same bytes as the spec."""

@@ -41,7 +41,18 @@ def value_rotation_tensor(layout: BlockLayout, device: str) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def value_rotation_units(layout: BlockLayout, device: str) -> torch.Tensor:
-    """Rv x sqrt(D) [D, D] in fp16 for the 16-bit rotation back of the values (rotation="hadamard": every entry
-    +-1, exact): the attention's epilogue loads it as the MMA operand, half the bytes of Rv and no conversion."""
-    rot = value_rotation_tensor(layout, device)
-    return (rot * torch.tensor(float(layout.head_dim)).sqrt()).to(torch.float16).contiguous()
+    """Rv x sqrt(D) [D, D] in fp16 for the 16-bit rotations of the values (rotation="hadamard": every entry +-1,
+    exact): the attention's epilogue and the store load it as an MMA operand, half the bytes of Rv and no
+    conversion (the store: instead of building the entries in registers)."""
+    return _units(value_rotation_tensor(layout, device), layout.head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def key_rotation_units(layout: BlockLayout, device: str) -> torch.Tensor:
+    """R x sqrt(D) [D, D] in fp16 for the store's key rotation under rotation="hadamard" (every entry +-1)."""
+    return _units(codec_tensors(layout, device)[0], layout.head_dim)
+
+
+def _units(rot: torch.Tensor, d: int) -> torch.Tensor:
+    """A +-1/sqrt(d) rotation times sqrt(d), rounded to fp16 (exact +-1) as the kernels' conversion does."""
+    return (rot * torch.tensor(float(d)).sqrt()).to(torch.float16).contiguous()

@@ -103,18 +103,22 @@ DEFAULT = LaunchConfig()
 @dataclasses.dataclass(frozen=True)
 class StoreLaunchConfig:
     """Overrides of store_kv's launch heuristics, for benchmarks: block_t (tokens per program, a power of two
-    >= 16), num_warps, ring_part (the ring written by programs of its own); None: the heuristic's."""
+    >= 16), num_warps, ring_part (the ring written by programs of its own), rotation_units (under
+    rotation="hadamard" the rotations' +-1 entries read as fp16, else built in registers); None: the heuristic's."""
 
     block_t: int | None = None
     num_warps: int | None = None
     ring_part: bool | None = None
+    rotation_units: bool | None = None
 
     def __post_init__(self):
         for name in ("block_t", "num_warps"):
             value = getattr(self, name)
             if value is not None and type(value) is not int:
                 raise TypeError(f"StoreLaunchConfig.{name} must be an int or None, got {value!r}")
-        if self.ring_part is not None and type(self.ring_part) is not bool:
-            raise TypeError(f"StoreLaunchConfig.ring_part must be True, False or None, got {self.ring_part!r}")
+        for name in ("ring_part", "rotation_units"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not bool:
+                raise TypeError(f"StoreLaunchConfig.{name} must be True, False or None, got {value!r}")
         _check_choice("block_t", self.block_t, "a power of two >= 16", _pow2_from(16), "StoreLaunchConfig")
         _check_choice("num_warps", self.num_warps, "1, 2, 4, 8 or 16", WARPS.__contains__, "StoreLaunchConfig")

@@ -20,11 +20,11 @@ from ..codebook import is_symmetric
 from ..layout import KEY_SCALE, VALUE_MID, VALUE_SCALE, BlockLayout, key_planes, ring_tail_bytes, value_planes
 from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_ring_alignment, check_tensor
-from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
+from .codec_tensors import codec_tensors, key_rotation_units, next_pow2, value_rotation_tensor, value_rotation_units
 from .device import DeviceTraits, device_traits as _traits_of
 from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, holdable_offset
 from .launch_config import StoreLaunchConfig
-from .rotation import hadamard_dot, hadamard_input, matmul_square
+from .rotation import hadamard_dot, hadamard_input, matmul_square, row_norm, split_dot
 from .rounding import bf16_bits_to_f32, bf16_rne_bits, bf16_up_bits, fp8e4m3_bits
 
 
@@ -36,30 +36,53 @@ def _store_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.const
 
 
 @triton.jit
-def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, HADAMARD: tl.constexpr):
-    """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32; under rotation="hadamard" R is not read but built in
-    registers, rotation.hadamard_dot): the split-half nibble pairs (j, j + D/2)."""
-    cols = tl.arange(0, DP)
-    hc = tl.arange(0, DHP)
-    if HADAMARD:
-        xu, scale = hadamard_input(x, rot_ptr, cols, D)
-        zero = tl.zeros((x.shape[0], DHP), tl.float32)
-        return (hadamard_dot(xu, cols, hc, hc < D // 2, zero, 3) * scale,
-                hadamard_dot(xu, cols, hc + D // 2, hc < D // 2, zero, 3) * scale)
-    rmask = (cols[:, None] < D) & (hc[None, :] < D // 2)
-    r_lo = tl.load(rot_ptr + hc[None, :] * D + cols[:, None], mask=rmask, other=0.0)  # R^T[:, :D/2]
-    r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + cols[:, None], mask=rmask, other=0.0)
-    return tl.dot(x, r_lo, input_precision="tf32x3"), tl.dot(x, r_hi, input_precision="tf32x3")
+def _unit_dot(x, units_ptr, rows, out, out_ok, D: tl.constexpr):
+    """x @ R^T[rows, out] for R = U / sqrt(D) given its fp16 units U (+-1, codec_tensors' *_rotation_units): x's
+    rows scaled to |.| <= 1 through 3 fp16 parts, as hadamard_dot with the entries read instead of built (the same
+    products: U's signs are the ones hadamard_input puts on x)."""
+    n = row_norm(x)[:, None]
+    u = tl.load(units_ptr + out[None, :] * D + rows[:, None], mask=(rows[:, None] < D) & out_ok[None, :], other=0.0)
+    return split_dot(x / n, u, tl.zeros((x.shape[0], out.shape[0]), tl.float32), 3) * (n * (1.0 / tl.sqrt(D * 1.0)))
 
 
 @triton.jit
-def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, HADAMARD: tl.constexpr):
-    """x @ R^T (fp32, 3xTF32; under rotation="hadamard" built in registers)."""
-    if HADAMARD:
-        cols = tl.arange(0, DP)
+def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.constexpr, HADAMARD: tl.constexpr,
+                   UNITS: tl.constexpr):
+    """(x @ R^T)[:, :D/2] and [:, D/2:] (fp32, 3xTF32; under rotation="hadamard" R is not read but its fp16 units,
+    UNITS, or its entries built in registers, rotation.hadamard_dot): the split-half nibble pairs (j, j + D/2)."""
+    cols = tl.arange(0, DP)
+    hc = tl.arange(0, DHP)
+    # (one branch per case, no early return: Triton type-checks the code after a constexpr branch's return, and
+    # with the fp16 units the fp32 branch's dots would not compile)
+    if HADAMARD and UNITS:
+        y_lo = _unit_dot(x, rot_ptr, cols, hc, hc < D // 2, D)
+        y_hi = _unit_dot(x, rot_ptr, cols, hc + D // 2, hc < D // 2, D)
+    elif HADAMARD:
         xu, scale = hadamard_input(x, rot_ptr, cols, D)
-        return hadamard_dot(xu, cols, cols, cols < D, tl.zeros((x.shape[0], DP), tl.float32), 3) * scale
-    return matmul_square(x, rot_ptr, D, DP, True)
+        zero = tl.zeros((x.shape[0], DHP), tl.float32)
+        y_lo = hadamard_dot(xu, cols, hc, hc < D // 2, zero, 3) * scale
+        y_hi = hadamard_dot(xu, cols, hc + D // 2, hc < D // 2, zero, 3) * scale
+    else:
+        rmask = (cols[:, None] < D) & (hc[None, :] < D // 2)
+        r_lo = tl.load(rot_ptr + hc[None, :] * D + cols[:, None], mask=rmask, other=0.0)  # R^T[:, :D/2]
+        r_hi = tl.load(rot_ptr + (hc[None, :] + D // 2) * D + cols[:, None], mask=rmask, other=0.0)
+        y_lo = tl.dot(x, r_lo, input_precision="tf32x3")
+        y_hi = tl.dot(x, r_hi, input_precision="tf32x3")
+    return y_lo, y_hi
+
+
+@triton.jit
+def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, HADAMARD: tl.constexpr, UNITS: tl.constexpr):
+    """x @ R^T (fp32, 3xTF32; under rotation="hadamard" from R's fp16 units, UNITS, or built in registers)."""
+    cols = tl.arange(0, DP)
+    if HADAMARD and UNITS:
+        y = _unit_dot(x, rot_ptr, cols, cols, cols < D, D)
+    elif HADAMARD:
+        xu, scale = hadamard_input(x, rot_ptr, cols, D)
+        y = hadamard_dot(xu, cols, cols, cols < D, tl.zeros((x.shape[0], DP), tl.float32), 3) * scale
+    else:
+        y = matmul_square(x, rot_ptr, D, DP, True)
+    return y
 
 
 @triton.jit
@@ -224,7 +247,8 @@ def _store_kernel(
     KEY_BITS: tl.constexpr, VALUE_BITS: tl.constexpr, NORM_CORRECTION: tl.constexpr,
     HAS_KEY_OFFSET: tl.constexpr, VALUE_ROT: tl.constexpr, BLOCK_T: tl.constexpr,
     SYMMETRIC: tl.constexpr,  # 4-bit codebook exactly symmetric in fp32: _bucket_sign_magnitude
-    HADAMARD: tl.constexpr,  # rotation="hadamard": rotations built in registers (hadamard_dot), R / Rv not read
+    HADAMARD: tl.constexpr,  # rotation="hadamard": R / Rv not read as fp32 (their fp16 units, or built in registers)
+    UNITS: tl.constexpr,  # (HADAMARD) rot_ptr / vrot_ptr hold R / Rv x sqrt(D) in fp16 (+-1), read as MMA operands
     HAS_RING: tl.constexpr, HAS_SEQ: tl.constexpr,
     RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
     RING_TAIL_HALVES: tl.constexpr,  # 16-bit words after an int8 record's codes (layout.ring_tail_bytes / 2)
@@ -293,7 +317,7 @@ def _store_kernel(
             rms_u = tl.sqrt_rn(tl.math.div_rn(tl.sum(u * u, axis=1), D * 1.0))
             inv = tl.where(nonzero, rms_u, 1.0)[:, None]
             if KEY_BITS == 4:
-                y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP, HADAMARD)
+                y_lo, y_hi = _rotate_halves(u, rot_ptr, D, DP, DHP, HADAMARD, UNITS)
                 # stored sign-magnitude (reference.stored_codes): level n >= 8 -> n - 8, n < 8 -> 15 - n
                 if SYMMETRIC:
                     c_lo, v_lo = _bucket_sign_magnitude(tl.math.div_rn(y_lo, inv), bnd_ptr, cent_ptr, NC)
@@ -306,11 +330,11 @@ def _store_kernel(
                 csum = tl.sum(tl.where(hc[None, :] < D // 2, v_lo * v_lo + v_hi * v_hi, 0.0), axis=1)
                 tl.store(plane[:, None] + off[:, None] * KB + hc[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=hmask)
             elif KEY_PLANES:  # 3-bit code planes (layout.key_planes): bucketed in coordinate order, then shuffled
-                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD), inv), bnd_ptr, cent_ptr, NC - 1)
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD, UNITS), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
                 _store_key_planes(plane[:, None] + off[:, None] * KB, code, ok, BLOCK_T, D)
             else:  # other 3-bit keys: a little-endian bit stream, 8 codes -> 3 bytes
-                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD), inv), bnd_ptr, cent_ptr, NC - 1)
+                code, val = _bucket(tl.math.div_rn(_rotate(u, rot_ptr, D, DP, HADAMARD, UNITS), inv), bnd_ptr, cent_ptr, NC - 1)
                 csum = tl.sum(tl.where(cols[None, :] < D, val * val, 0.0), axis=1)
                 _store3(plane[:, None] + off[:, None] * KB + 3 * g[None, :], code, gmask, BLOCK_T, GP)
             scale = amax * rms_u
@@ -328,7 +352,7 @@ def _store_kernel(
         if VALUE_BITS == 4:
             if VALUE_ROT:
                 xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
-                x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP, HADAMARD)
+                x_lo, x_hi = _rotate_halves(xv, vrot_ptr, D, DP, DHP, HADAMARD, UNITS)
             else:
                 x_lo = tl.load(vbase[:, None] + hc[None, :], mask=hmask, other=0.0).to(tl.float32)
                 x_hi = tl.load(vbase[:, None] + hc[None, :] + D // 2, mask=hmask, other=0.0).to(tl.float32)
@@ -337,7 +361,7 @@ def _store_kernel(
         else:
             xv = tl.load(vbase[:, None] + cols[None, :], mask=cmask, other=0.0).to(tl.float32)
             if VALUE_ROT:
-                xv = _rotate(xv, vrot_ptr, D, DP, HADAMARD)
+                xv = _rotate(xv, vrot_ptr, D, DP, HADAMARD, UNITS)
             vmax = tl.max(tl.where(cmask, xv, -float("inf")), axis=1)
             vmin = tl.min(tl.where(cmask, xv, float("inf")), axis=1)
         vmax = tl.where(ok, vmax, 0.0)
@@ -555,6 +579,13 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     cfg, d = layout.config, layout.head_dim
     rot, cent, bnd, _ = codec_tensors(layout, str(pool.device))
     vrot = value_rotation_tensor(layout, str(pool.device))
+    # under rotation="hadamard" the rotations' fp16 units read as MMA operands, where building the entries in
+    # registers took 1,094 of a decode store's 4,288 instructions (4bit+defaults, one token, sm_90a)
+    hadamard = cfg.rotation == "hadamard"
+    units = hadamard and bool(True if launch is None or launch.rotation_units is None else launch.rotation_units)
+    if units:
+        rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
+        vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
     # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
     # D=128); decode steps (a few tokens) take the smallest tile that holds them.
     block_t = min(64 if d <= 128 else 32, max(16, next_pow2(n)))
@@ -578,7 +609,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
             VALUE_PLANES=value_planes(cfg, d),
             T=layout.block_size, KB=layout.key_bytes, VB=layout.value_bytes, META=layout.metadata_offset,
             KEY_BITS=cfg.key_bits, VALUE_BITS=cfg.value_bits, NORM_CORRECTION=cfg.norm_correction,
-            HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t, HADAMARD=cfg.rotation == "hadamard",
+            HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation, BLOCK_T=block_t, HADAMARD=hadamard, UNITS=units,
             SYMMETRIC=cfg.uses_codebook and cfg.key_bits == 4 and is_symmetric(d, cfg.key_bits),
             HAS_RING=ring_k is not None, HAS_SEQ=seq_lens is not None,
             RING_Q8=ring_k is not None and ring_k.dtype == torch.int8,
