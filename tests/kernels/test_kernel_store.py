@@ -315,13 +315,13 @@ def test_store_format_options_real_size_gpu(preset, n):
 
 
 def _stored_both_ways(preset, head_dim, n, device):
-    """The pool after one store with the rotations' fp16 units read (the default) and with their entries built in
-    registers (StoreLaunchConfig(rotation_units=False)), the same inputs."""
+    """The pool after one store with the rotations' fp16 units read (StoreLaunchConfig(rotation_units=True), a
+    one-tile store's default) and with their entries built in registers (False), the same inputs."""
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     key, value, slots = _inputs(n, layout, torch.bfloat16, device=device)
     mu = _key_mean(layout, device)
     pools = []
-    for units in (None, False):
+    for units in (True, False):
         pool = layout.allocate((n + 20) // 16 + 1, device).fill_(0xA5)
         store_kv(pool, layout, key, value, slots, key_offset=mu, launch=StoreLaunchConfig(rotation_units=units))
         pools.append(pool)
@@ -391,3 +391,17 @@ def test_sign_magnitude_bucket_matches_the_spec_at_the_boundaries(head_dim):
     assert bad.numel() == 0, (f"codes differ at y={y.cpu()[bad[:6]].tolist()}: got {code.cpu()[bad[:6]].tolist()}, "
                               f"want {want_code[bad[:6]].tolist()}")
     assert torch.equal(val.cpu(), book.centroids[level]), "centroids differ"
+
+
+def test_store_rotation_units_for_a_one_tile_store():
+    """The fp16 units are the default of a store of one tile (a decode step); a longer store builds the entries."""
+    from tq_hf.kernels.device import H200
+    from tq_hf.kernels.store import _make_plan
+
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    pool = layout.allocate(300, "cpu")
+    for n, units in ((1, True), (64, True), (65, False), (4099, False)):
+        key = torch.randn(n, 2, 64)
+        plan = _make_plan(pool, layout, key, key, torch.arange(n), torch.zeros(2, 64), traits=H200)
+        assert plan.site.kwargs["UNITS"] is units, n
+        assert (plan.rot.dtype == torch.float16) is units and (plan.scalars[2].dtype == torch.float16) is units

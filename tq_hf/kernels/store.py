@@ -579,13 +579,6 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     cfg, d = layout.config, layout.head_dim
     rot, cent, bnd, _ = codec_tensors(layout, str(pool.device))
     vrot = value_rotation_tensor(layout, str(pool.device))
-    # under rotation="hadamard" the rotations' fp16 units read as MMA operands, where building the entries in
-    # registers took 1,094 of a decode store's 4,288 instructions (4bit+defaults, one token, sm_90a)
-    hadamard = cfg.rotation == "hadamard"
-    units = hadamard and bool(True if launch is None or launch.rotation_units is None else launch.rotation_units)
-    if units:
-        rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
-        vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
     # Long prefills: 64-token tiles amortise the rotation matrices each program loads (64 KB at
     # D=128); decode steps (a few tokens) take the smallest tile that holds them.
     block_t = min(64 if d <= 128 else 32, max(16, next_pow2(n)))
@@ -600,6 +593,14 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     # instead of before it in the key and value programs. On for a store of one tile (decode steps): B=1, 32/8/128,
     # H200, 4bit 13.7 -> 11.8 us, B=16 10.5 -> 9.8, k8v4 10.0 -> 9.9 and 8.9 -> 8.6; longer stores are unmeasured
     ring_default = triton.cdiv(n, block_t) == 1
+    # under rotation="hadamard" a store of one tile (a decode step: one short chain per program) reads the rotations'
+    # fp16 units as MMA operands, where building the entries in registers took 1,094 of its 4,288 instructions
+    # (4bit+defaults, one token, sm_90a); longer stores, bound by throughput, keep building them (unmeasured)
+    hadamard = cfg.rotation == "hadamard"
+    units = hadamard and bool(ring_default if launch is None or launch.rotation_units is None else launch.rotation_units)
+    if units:
+        rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
+        vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
     ring_part = ring_k is not None and bool(ring_default if launch is None or launch.ring_part is None
                                             else launch.ring_part)
     site = None
