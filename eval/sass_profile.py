@@ -172,9 +172,10 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
             "classes": dict(classify(body).most_common())}
 
 
-def store_launch(preset: str, batch: int, shape: tuple[int, int, int]):
+def store_launch(preset: str, batch: int, shape: tuple[int, int, int], launch=None):
     """The compiled store kernel of one decode step (a token per row, `batch` rows, the ring and lengths written as
-    the cache writes them), launched as on an H200; call inside compile_check.compile_only (nothing runs)."""
+    the cache writes them), launched as on an H200 (launch: a StoreLaunchConfig); call inside
+    compile_check.compile_only (nothing runs)."""
     import triton.runtime.jit as jit
 
     from tq_hf.kernels import store_kv
@@ -198,23 +199,30 @@ def store_launch(preset: str, batch: int, shape: tuple[int, int, int]):
 
     jit.JITFunction.run = recording
     try:
-        store_kv(layout.allocate(batch + 1, "cpu"), layout, key, value, torch.arange(batch), **kwargs)
+        store_kv(layout.allocate(batch + 1, "cpu"), layout, key, value, torch.arange(batch), launch=launch, **kwargs)
     finally:
         jit.JITFunction.run = run
     return compiled[-1]
 
 
-def store_profile(preset: str, batch: int, shape: tuple[int, int, int], arch: int = 90) -> dict:
+STORE_VARIANTS = {"default": {}, "rotation_units": {"rotation_units": True}}  # name -> StoreLaunchConfig fields
+
+
+def store_profile(preset: str, batch: int, shape: tuple[int, int, int], arch: int = 90,
+                  variant: str = "default") -> dict:
     """The decode store's machine code: instructions, barriers, tensor-core instructions, registers (one short chain
     per program: its instruction count measures its latency, where a walk's loop measures its throughput)."""
+    from tq_hf.kernels import StoreLaunchConfig
+
     from .compile_check import compile_only
 
     with compile_only(arch):
-        kernel = store_launch(preset, batch, shape)
+        kernel = store_launch(preset, batch, shape, StoreLaunchConfig(**STORE_VARIANTS[variant]))
     text, regs = disassemble(kernel.asm["cubin"])
     instructions, _ = parse_sass(text)
     count = lambda prefix: sum(x.opcode.startswith(prefix) for x in instructions)  # noqa: E731
-    return {"preset": preset, "shape": "/".join(map(str, shape)), "batch": batch, "instructions": len(instructions),
+    return {"preset": preset, "shape": "/".join(map(str, shape)), "variant": variant, "batch": batch,
+            "instructions": len(instructions),
             "barriers": count("BAR"), "hmma": count("HMMA"), "registers": regs, "shared_bytes": kernel.metadata.shared}
 
 
@@ -235,9 +243,9 @@ def markdown(report: dict) -> str:
                      f"{per_byte:.1f} | " + " | ".join(str(r["classes"].get(c, 0)) for c in classes) + " |")
     if report.get("store"):
         lines += ["", f"Decode store (one token per row, B={report['batch']}): the whole kernel", "",
-                  "| Hq/Hk/D | preset | instructions | barriers | HMMA | registers | shared B |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['shape']} | {r['preset']} | {r['instructions']} | {r['barriers']} | {r['hmma']} | "
+                  "| Hq/Hk/D | preset | launch | instructions | barriers | HMMA | registers | shared B |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['preset']} | {r['variant']} | {r['instructions']} | {r['barriers']} | {r['hmma']} | "
                   f"{r['registers']} | {r['shared_bytes']} |" for r in report["store"]]
     return "\n".join(lines) + "\n"
 
@@ -259,7 +267,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "byte permutes at every head_dim; plane_words: 3-bit value planes through 16-bit plane words "
                          "instead of from their loaded bytes; table_constants: the key lookups' table words as "
                          "constants instead of pinned in registers)")
-    ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape")
+    ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape, "
+                    "as planned and with the rotations' fp16 units (StoreLaunchConfig.rotation_units)")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)
@@ -269,7 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": [profile(p, args.batch, args.length, shape, args.arch, v) for shape in args.shapes
                        for p in args.presets for v in args.variants]}
     if args.store:
-        report["store"] = [store_profile(p, args.batch, shape, args.arch) for shape in args.shapes for p in args.presets]
+        report["store"] = [store_profile(p, args.batch, shape, args.arch, v) for shape in args.shapes
+                           for p in args.presets for v in STORE_VARIANTS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", report)

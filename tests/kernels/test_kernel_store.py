@@ -315,8 +315,8 @@ def test_store_format_options_real_size_gpu(preset, n):
 
 
 def _stored_both_ways(preset, head_dim, n, device):
-    """The pool after one store with the rotations' fp16 units read (StoreLaunchConfig(rotation_units=True), a
-    one-tile store's default) and with their entries built in registers (False), the same inputs."""
+    """The pool after one store with the rotations' fp16 units read (StoreLaunchConfig(rotation_units=True)) and
+    with their entries built in registers (the default), the same inputs."""
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     key, value, slots = _inputs(n, layout, torch.bfloat16, device=device)
     mu = _key_mean(layout, device)
@@ -393,15 +393,17 @@ def test_sign_magnitude_bucket_matches_the_spec_at_the_boundaries(head_dim):
     assert torch.equal(val.cpu(), book.centroids[level]), "centroids differ"
 
 
-def test_store_rotation_units_for_a_one_tile_store():
-    """The fp16 units are the default of a store of one tile (a decode step); a longer store builds the entries."""
+def test_store_rotation_units_only_where_asked():
+    """The fp16 units are opt-in (untimed): a store builds the entries unless asked, for one tile or many."""
     from tq_hf.kernels.device import H200
     from tq_hf.kernels.store import _make_plan
 
     layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
     pool = layout.allocate(300, "cpu")
-    for n, units in ((1, True), (64, True), (65, False), (4099, False)):
+    for n in (1, 64, 65, 4099):
         key = torch.randn(n, 2, 64)
-        plan = _make_plan(pool, layout, key, key, torch.arange(n), torch.zeros(2, 64), traits=H200)
-        assert plan.site.kwargs["UNITS"] is units, n
-        assert (plan.rot.dtype == torch.float16) is units and (plan.scalars[2].dtype == torch.float16) is units
+        for asked, units in ((None, False), (True, True), (False, False)):
+            plan = _make_plan(pool, layout, key, key, torch.arange(n), torch.zeros(2, 64),
+                              StoreLaunchConfig(rotation_units=asked), traits=H200)
+            assert plan.site.kwargs["UNITS"] is units, (n, asked)
+            assert (plan.rot.dtype == torch.float16) is units and (plan.scalars[2].dtype == torch.float16) is units

@@ -593,11 +593,12 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     # instead of before it in the key and value programs. On for a store of one tile (decode steps): B=1, 32/8/128,
     # H200, 4bit 13.7 -> 11.8 us, B=16 10.5 -> 9.8, k8v4 10.0 -> 9.9 and 8.9 -> 8.6; longer stores are unmeasured
     ring_default = triton.cdiv(n, block_t) == 1
-    # under rotation="hadamard" a store of one tile (a decode step: one short chain per program) reads the rotations'
-    # fp16 units as MMA operands, where building the entries in registers took 1,094 of its 4,288 instructions
-    # (4bit+defaults, one token, sm_90a); longer stores, bound by throughput, keep building them (unmeasured)
+    # under rotation="hadamard" the rotations' fp16 units read as MMA operands instead of the entries built in
+    # registers: 4,288 -> 3,040 instructions for a decode store (4bit+defaults, one token, sm_90a), for a 32 KB load
+    # per program at the start of its chain. Not timed yet (the query's rotation read from memory once measured
+    # slower than built), so opt-in
     hadamard = cfg.rotation == "hadamard"
-    units = hadamard and bool(ring_default if launch is None or launch.rotation_units is None else launch.rotation_units)
+    units = hadamard and bool(False if launch is None or launch.rotation_units is None else launch.rotation_units)
     if units:
         rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
         vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
