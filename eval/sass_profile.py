@@ -65,17 +65,22 @@ def parse_sass(text: str) -> tuple[list[Instruction], dict[str, int]]:
     return instructions, labels
 
 
+def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(start, branch) addresses of every backward branch: the loops of the listing."""
+    found = []
+    for ins in instructions:
+        target = re.search(r"(\.L_x_\d+)", ins.operands) if ins.opcode.startswith("BRA") else None
+        start = labels.get(target.group(1)) if target else None
+        if start is not None and start < ins.address:
+            found.append((start, ins.address))
+    return found
+
+
 def tile_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[Instruction]:
     """The body of the backward branch whose loop holds the most HMMAs (then the most instructions)."""
     best: tuple[int, int, list[Instruction]] | None = None
-    for ins in instructions:
-        if not ins.opcode.startswith("BRA"):
-            continue
-        target = re.search(r"(\.L_x_\d+)", ins.operands)
-        start = labels.get(target.group(1)) if target else None
-        if start is None or start >= ins.address:
-            continue
-        body = [x for x in instructions if start <= x.address <= ins.address]
+    for start, end in loops(instructions, labels):
+        body = [x for x in instructions if start <= x.address <= end]
         key = (sum(x.opcode.startswith("HMMA") for x in body), len(body))
         if best is None or key > best[:2]:
             best = (*key, body)
@@ -85,11 +90,10 @@ def tile_loop(instructions: list[Instruction], labels: dict[str, int]) -> list[I
 def outside_loops(instructions: list[Instruction], labels: dict[str, int]) -> tuple[int, int]:
     """(instructions before the first loop, after the last): a program's fixed cost around its walks (the query's
     preparation; the epilogue's normalisation, rotation back and stores), which short walks (B=1 splits) repeat."""
-    loops = [(labels[t.group(1)], ins.address) for ins in instructions if ins.opcode.startswith("BRA")
-             for t in [re.search(r"(\.L_x_\d+)", ins.operands)] if t and labels.get(t.group(1), ins.address) < ins.address]
-    if not loops:
+    found = loops(instructions, labels)
+    if not found:
         return len(instructions), 0
-    first, last = min(start for start, _ in loops), max(end for _, end in loops)
+    first, last = min(start for start, _ in found), max(end for _, end in found)
     return sum(x.address < first for x in instructions), sum(x.address > last for x in instructions)
 
 
@@ -173,13 +177,13 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
 
 
 def store_launch(preset: str, batch: int, shape: tuple[int, int, int], launch=None):
-    """The compiled store kernel of one decode step (a token per row, `batch` rows, the ring and lengths written as
-    the cache writes them), launched as on an H200 (launch: a StoreLaunchConfig); call inside
-    compile_check.compile_only (nothing runs)."""
-    import triton.runtime.jit as jit
-
-    from tq_hf.kernels import store_kv
+    """(kernel, args, kwargs) of one decode step's store (a token per row, `batch` rows, the ring and lengths written
+    as the cache writes them), planned as on an H200 (launch: a StoreLaunchConfig); call inside
+    compile_check.compile_only."""
+    from tq_hf.kernels import store, store_kv
     from tq_hf.layout import BlockLayout
+
+    from .compile_check import captured_launches
 
     _, hk, d = shape
     cfg = make_config(preset)
@@ -190,19 +194,10 @@ def store_launch(preset: str, batch: int, shape: tuple[int, int, int], launch=No
     if "recent_keys" in ring:
         kwargs.update(recent=(ring["recent_keys"], ring["recent_values"]),
                       seq_lens=torch.zeros(batch, dtype=torch.int32), start=100)
-    compiled, run = [], jit.JITFunction.run
-
-    def recording(self, *args, **kw):
-        out = run(self, *args, **kw)
-        compiled.append(out)
-        return out
-
-    jit.JITFunction.run = recording
-    try:
+    kernel = store._store_kernel
+    with captured_launches() as seen:
         store_kv(layout.allocate(batch + 1, "cpu"), layout, key, value, torch.arange(batch), launch=launch, **kwargs)
-    finally:
-        jit.JITFunction.run = run
-    return compiled[-1]
+    return (kernel, *seen["store"])
 
 
 STORE_VARIANTS = {"default": {}, "rotation_units": {"rotation_units": True}}  # name -> StoreLaunchConfig fields
@@ -214,10 +209,10 @@ def store_profile(preset: str, batch: int, shape: tuple[int, int, int], arch: in
     per program: its instruction count measures its latency, where a walk's loop measures its throughput)."""
     from tq_hf.kernels import StoreLaunchConfig
 
-    from .compile_check import compile_only
+    from .compile_check import compile_only, compile_variant
 
     with compile_only(arch):
-        kernel = store_launch(preset, batch, shape, StoreLaunchConfig(**STORE_VARIANTS[variant]))
+        kernel = compile_variant(*store_launch(preset, batch, shape, StoreLaunchConfig(**STORE_VARIANTS[variant])), arch)
     text, regs = disassemble(kernel.asm["cubin"])
     instructions, _ = parse_sass(text)
     count = lambda prefix: sum(x.opcode.startswith(prefix) for x in instructions)  # noqa: E731

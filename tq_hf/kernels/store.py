@@ -594,11 +594,11 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     # H200, 4bit 13.7 -> 11.8 us, B=16 10.5 -> 9.8, k8v4 10.0 -> 9.9 and 8.9 -> 8.6; longer stores are unmeasured
     ring_default = triton.cdiv(n, block_t) == 1
     # under rotation="hadamard" the rotations' fp16 units read as MMA operands instead of the entries built in
-    # registers: 4,288 -> 3,040 instructions for a decode store (4bit+defaults, one token, sm_90a), for a 32 KB load
+    # registers: 4,376 -> 3,120 instructions for a decode store (4bit+defaults, one token, sm_90a), for a 32 KB load
     # per program at the start of its chain. Not timed yet (the query's rotation read from memory once measured
     # slower than built), so opt-in
     hadamard = cfg.rotation == "hadamard"
-    units = hadamard and bool(False if launch is None or launch.rotation_units is None else launch.rotation_units)
+    units = hadamard and launch is not None and bool(launch.rotation_units)
     if units:
         rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
         vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
