@@ -200,7 +200,7 @@ def store_launch(preset: str, batch: int, shape: tuple[int, int, int], launch=No
     return (kernel, *seen["store"])
 
 
-STORE_VARIANTS = {"default": {}, "rotation_units": {"rotation_units": True}}  # name -> StoreLaunchConfig fields
+STORE_VARIANTS = {"default": {}, "built_rotations": {"rotation_units": False}}  # name -> StoreLaunchConfig fields
 
 
 def store_profile(preset: str, batch: int, shape: tuple[int, int, int], arch: int = 90,
@@ -263,7 +263,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "instead of from their loaded bytes; table_constants: the key lookups' table words as "
                          "constants instead of pinned in registers)")
     ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape, "
-                    "as planned and with the rotations' fp16 units (StoreLaunchConfig.rotation_units)")
+                    "as planned (the rotations read as fp16 units) and with the rotations built in registers "
+                    "(StoreLaunchConfig(rotation_units=False))")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)

@@ -429,6 +429,28 @@ def test_gpu_reduce_overhead_captures_the_decode_step(preset, recent_format, dyn
 
 
 @pytest.mark.gpu
+def test_gpu_captured_first_decode_step_allocates_no_constant(dynamo):
+    """A compiled decode step whose launch plans are first made inside CUDA-graph capture (no eager decode before it
+    in the process): the constants they read (rotations, tables) were made by the eager prefill, not in the graph's
+    private pool (cudagraph trees reject a live tensor there that no output tracks)."""
+    from tq_hf.kernels import attention as attention_kernel, codec_tensors, store as store_kernel
+
+    for cached in (codec_tensors.codec_tensors, codec_tensors.value_rotation_tensor,
+                   codec_tensors.value_rotation_units, codec_tensors.key_rotation_units):
+        cached.cache_clear()
+    store_kernel._PLANS.clear()
+    attention_kernel._PLANS.clear()
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    cfg = tq_config(preset="4bit")
+    ids = prompts().cuda()
+    compiled = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64),
+                           torch.compile(model.forward, mode="reduce-overhead", fullgraph=True), ids)
+    assert_one_graph(dynamo)
+    eager = decode_loop(model, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64), model.forward, ids)
+    assert torch.equal(compiled[0], eager[0])
+
+
+@pytest.mark.gpu
 def test_gpu_other_attention_implementation_reads_the_dequantization_kernel(dynamo, monkeypatch):
     """sdpa over a TurboQuantCache on CUDA reads the history through kernels.dequantize: the logits of the reference
     path's (TQ_HF_FORCE_REFERENCE=1), and a fixed capacity under CUDA graphs keeps the eager tokens."""

@@ -23,14 +23,15 @@ def _inputs(n: int, layout, dtype, device=DEVICE):
     h, d = layout.num_kv_heads, layout.head_dim
     key = torch.randn(n, h, d, device=device) * torch.rand(n, h, 1, device=device).mul(8)
     value = torch.randn(n, h, d, device=device) * 3 + torch.randn(n, h, 1, device=device)
-    key[1] = 0.0  # all-zero rows: zero scales
-    value[2] = 0.0
-    value[3, 0] = 7.0  # constant row
-    if dtype != torch.float16:
-        key[4, -1] *= 1e6  # beyond fp16 range: bf16 models produce these
-        value[4, -1] *= 1e6
     slots = torch.randperm(n + 20, device=device)[:n]
-    slots[5] = -1  # padding token: skipped
+    if n > 5:  # (a store of fewer tokens, a decode step's, takes plain rows)
+        key[1] = 0.0  # all-zero rows: zero scales
+        value[2] = 0.0
+        value[3, 0] = 7.0  # constant row
+        if dtype != torch.float16:
+            key[4, -1] *= 1e6  # beyond fp16 range: bf16 models produce these
+            value[4, -1] *= 1e6
+        slots[5] = -1  # padding token: skipped
     return key.to(dtype), value.to(dtype), slots
 
 
@@ -315,8 +316,8 @@ def test_store_format_options_real_size_gpu(preset, n):
 
 
 def _stored_both_ways(preset, head_dim, n, device):
-    """The pool after one store with the rotations' fp16 units read (StoreLaunchConfig(rotation_units=True)) and
-    with their entries built in registers (the default), the same inputs."""
+    """The pool after one store with the rotations' fp16 units read (the default) and with their entries built in
+    registers (StoreLaunchConfig(rotation_units=False)), the same inputs."""
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     key, value, slots = _inputs(n, layout, torch.bfloat16, device=device)
     mu = _key_mean(layout, device)
@@ -334,6 +335,27 @@ def test_store_rotation_units_equal_the_registers_entries(preset, head_dim):
     path puts on the input ride in them): the same bytes, every one (a transposed or unscaled operand is far off)."""
     units, built = _stored_both_ways(preset, head_dim, 21, DEVICE)
     assert torch.equal(units, built)
+
+
+def test_a_prefills_store_makes_the_units_a_decode_step_reads():
+    """The eager prefill's store (many tiles) makes the fp16 units that a decode step's store then reads: that step's
+    plan may first be made inside CUDA-graph capture, where a new tensor lands in the graph's private pool."""
+    from tq_hf.kernels import codec_tensors
+    from tq_hf.kernels.device import H200
+    from tq_hf.kernels.store import _make_plan
+
+    codec_tensors.key_rotation_units.cache_clear()
+    codec_tensors.value_rotation_units.cache_clear()
+    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    pool = layout.allocate(300, "cpu")
+    prefill = _make_plan(pool, layout, torch.randn(4099, 2, 64), torch.randn(4099, 2, 64), torch.arange(4099),
+                         torch.zeros(2, 64), traits=H200)
+    assert prefill.site.kwargs["UNITS"] is True and prefill.rot.dtype == torch.float16
+    made = codec_tensors.key_rotation_units.cache_info().misses, codec_tensors.value_rotation_units.cache_info().misses
+    assert made == (1, 1)
+    step = _make_plan(pool, layout, torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.arange(1),
+                      torch.zeros(2, 64), traits=H200)
+    assert step.rot is prefill.rot and step.scalars[2] is prefill.scalars[2]  # found, not made
 
 
 @pytest.mark.gpu
@@ -393,8 +415,8 @@ def test_sign_magnitude_bucket_matches_the_spec_at_the_boundaries(head_dim):
     assert torch.equal(val.cpu(), book.centroids[level]), "centroids differ"
 
 
-def test_store_rotation_units_only_where_asked():
-    """The fp16 units are opt-in (untimed): a store builds the entries unless asked, for one tile or many."""
+def test_store_rotation_units_by_default():
+    """Under rotation="hadamard" a store reads the rotations' fp16 units unless told not to, for one tile or many."""
     from tq_hf.kernels.device import H200
     from tq_hf.kernels.store import _make_plan
 
@@ -402,7 +424,7 @@ def test_store_rotation_units_only_where_asked():
     pool = layout.allocate(300, "cpu")
     for n in (1, 64, 65, 4099):
         key = torch.randn(n, 2, 64)
-        for asked, units in ((None, False), (True, True), (False, False)):
+        for asked, units in ((None, True), (True, True), (False, False)):
             plan = _make_plan(pool, layout, key, key, torch.arange(n), torch.zeros(2, 64),
                               StoreLaunchConfig(rotation_units=asked), traits=H200)
             assert plan.site.kwargs["UNITS"] is units, (n, asked)

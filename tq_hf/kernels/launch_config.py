@@ -104,8 +104,8 @@ DEFAULT = LaunchConfig()
 class StoreLaunchConfig:
     """Overrides of store_kv's launch heuristics, for benchmarks: block_t (tokens per program, a power of two
     >= 16), num_warps, ring_part (the ring written by programs of its own), rotation_units (under
-    rotation="hadamard" the rotations' +-1 entries read as fp16, else built in registers; off by default); None: the
-    heuristic's."""
+    rotation="hadamard" the rotations' +-1 entries read as fp16, else built in registers; on by default); None:
+    the heuristic's."""
 
     block_t: int | None = None
     num_warps: int | None = None
