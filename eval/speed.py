@@ -313,7 +313,8 @@ def run_points(model, specs, args, checkpoint=None) -> list[dict]:
                 try:
                     row.update(measure(model, spec, batch, context, args))
                 except torch.cuda.OutOfMemoryError as exc:
-                    row["skipped"] = f"out of memory: {str(exc).splitlines()[0]}"
+                    # torch's message up to what it asked and what was free (its advice runs on for lines)
+                    row["skipped"] = f"out of memory: {str(exc).splitlines()[0].split('. Including')[0]}"
                     torch.cuda.empty_cache()
             rows.append(row)
             bar.update()
