@@ -287,13 +287,13 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     assert torch.equal(got, converted)
 
 
-@pytest.mark.parametrize("preset,q_len", [("k3v4", 1), ("3bit", 8)])
-def test_query_rotated_once_for_the_key_planes(preset, q_len):
-    """query_butterfly: 3-bit key planes at head_dim 128 take the query rotated once and cut into the planes'
-    windows: the reference's attention, and the window-by-window rotation's output to 2**-16 in fp32 (the two round
-    the rotated query to fp16 apart: a coordinate's last bit may differ; a block put into the wrong window is far
-    outside it)."""
-    layout = make_layout(preset, 2, 128, key_centering=True, value_rotation=True)
+@pytest.mark.parametrize("preset,q_len,head_dim", [("k3v4", 1, 128), ("3bit", 8, 128), ("k3v4", 1, 256), ("3bit", 8, 256)])
+def test_query_rotated_once_for_the_key_planes(preset, q_len, head_dim):
+    """query_butterfly: 3-bit key planes at head_dim 128 (one butterfly, then H_64) and 256 (two, then H_64 for each
+    quarter) take the query rotated once and cut into the planes' windows: the reference's attention, and the
+    window-by-window rotation's output to 2**-16 in fp32 (the two round the rotated query to fp16 apart: a
+    coordinate's last bit may differ; a block put into the wrong window is far outside it)."""
+    layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
               **_fidelity_options(layout, 4))
     torch.manual_seed(11)
@@ -307,7 +307,7 @@ def test_query_rotated_once_for_the_key_planes(preset, q_len):
 def test_query_butterfly_refused_without_key_planes():
     layout = make_layout("4bit", 2, 128)
     pool, table = fill_cache(layout, [40], DEVICE)
-    with pytest.raises(ValueError, match="query_butterfly=True needs 3-bit key planes at head_dim 128"):
+    with pytest.raises(ValueError, match="query_butterfly=True needs 3-bit key planes at head_dim 128 or 256"):
         unified_attention(torch.randn(1, 4, 1, 128, device=DEVICE), pool, layout, table,
                           torch.tensor([40], device=DEVICE), 0.1, launch=LaunchConfig(query_butterfly=True))
 
@@ -973,9 +973,10 @@ def test_decode_batch_filling_the_gpu_gpu(preset):
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
 
 
-def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, lever: str) -> None:
+def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, lever: str, tol: float = 0.0) -> None:
     """A decode-path LaunchConfig lever that changes only how the same operands are made (LaunchConfig(lever=True)):
-    the reference's attention with the preset's levers at odd lengths, and the lever-off output exactly."""
+    the reference's attention with the preset's levers at odd lengths, and the lever-off output exactly (or to a
+    relative `tol` where the lever rounds an operand at another point)."""
     layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=True)
     lens = [4099 - 37 * i for i in range(batch)]
     kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
@@ -986,7 +987,7 @@ def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, 
         outputs.append(_check(layout, lens, q_len, 4, launch=LaunchConfig(**{lever: on}), **kw))
     (got, want), (off, want_again) = outputs
     assert torch.equal(want, want_again)  # the same inputs
-    assert torch.equal(got, off), rel_error(got, off)
+    assert (rel_error(got, off) <= tol) if tol else torch.equal(got, off), rel_error(got, off)
 
 
 @pytest.mark.gpu
@@ -995,6 +996,15 @@ def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
     """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm), at decode and verification
     tiles: the plane words' operands exactly."""
     _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_planes_asm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,head_dim,batch,q_len", [("k3v4", 256, 1, 1), ("3bit", 256, 3, 1), ("k3v4", 256, 1, 8),
+                                                         ("3bit", 128, 1, 1)])
+def test_query_butterfly_gpu(preset, head_dim, batch, q_len):
+    """The query of 3-bit key planes rotated once by butterflies (query_butterfly): the window-by-window rotation's
+    output to fp16's resolution (the rotated query rounds at another point; a window out of place is far off)."""
+    _check_decode_lever_gpu(preset, head_dim, batch, q_len, "query_butterfly", tol=2 ** -10)
 
 
 @pytest.mark.gpu

@@ -54,7 +54,8 @@ import triton
 import triton.language as tl
 
 from .code_decoders import value_col
-from .rotation import hadamard_dot, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot, unit_rotation_rows
+from .rotation import (hadamard_dot, hadamard_entries, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot,
+                       unit_rotation_rows)
 from .rounding import store_rounded
 from .tiles import exact_tile, pool_tile
 
@@ -69,9 +70,9 @@ def _blocks_of_16(x, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _pair(a, b, BLOCK_M: tl.constexpr):
-    """[BLOCK_M, 16] blocks a, b -> [BLOCK_M, 32] = [a | b]."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_M, 32))
+def _pair(a, b, BLOCK_M: tl.constexpr, W: tl.constexpr = 16):
+    """[BLOCK_M, W] blocks a, b -> [BLOCK_M, 2 W] = [a | b]."""
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (BLOCK_M, 2 * W))
 
 
 @triton.jit
@@ -104,6 +105,52 @@ def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.con
     scale = n * (1.0 / tl.sqrt(D * 1.0))
     return q_lo * scale, q_hi * scale
 
+
+
+@triton.jit
+def _hadamard_quarters(q_row, row_ok, rot_ptr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """q @ R^T for the randomized Hadamard rotation R = H diag(s) / sqrt(D) as its four quarters (coordinates
+    [k D/4, (k+1) D/4)), fp32 [BLOCK_M, D/4] each, without reading R: H_D = H_4 (x) H_{D/4} (Sylvester), so two
+    butterflies fold the signed query's quarters x_k into t_c = sum_k H_4[k, c] x_k and one H_{D/4} built in
+    registers serves the four (a sixteenth of H_D's entries, a quarter of _hadamard_query's)."""
+    Q: tl.constexpr = D // 4
+    c = tl.arange(0, Q)
+    ok = row_ok[:, None] & (c[None, :] < Q)
+    x0 = tl.load(q_row[:, None] + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, c, D)[None, :]
+    x1 = tl.load(q_row[:, None] + Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, Q + c, D)[None, :]
+    x2 = tl.load(q_row[:, None] + 2 * Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, 2 * Q + c, D)[None, :]
+    x3 = tl.load(q_row[:, None] + 3 * Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, 3 * Q + c, D)[None, :]
+    s02 = x0 + x2
+    d02 = x0 - x2
+    s13 = x1 + x3
+    d13 = x1 - x3
+    t0 = s02 + s13  # H_4's columns: (+ + + +), (+ - + -), (+ + - -), (+ - - +)
+    t1 = s02 - s13
+    t2 = d02 + d13
+    t3 = d02 - d13
+    n = tl.maximum(tl.maximum(row_norm(t0), row_norm(t1)), tl.maximum(row_norm(t2), row_norm(t3)))[:, None]
+    h = hadamard_entries(c, c, c < Q)
+    zero = tl.zeros((BLOCK_M, Q), tl.float32)
+    scale = n * (1.0 / tl.sqrt(D * 1.0))
+    return (split_dot(t0 / n, h, zero) * scale, split_dot(t1 / n, h, zero) * scale,
+            split_dot(t2 / n, h, zero) * scale, split_dot(t3 / n, h, zero) * scale)
+
+
+@triton.jit
+def _halves(x, BLOCK_M: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_M, 2 W] -> its columns < W and >= W."""
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, W)), (0, 2, 1)))
+
+
+@triton.jit
+def _plane_windows_256(y0, y1, y2, y3, BLOCK_M: tl.constexpr):
+    """The eight 32-coordinate windows of head_dim 256's key planes (window w: coordinates 32 w + j) from the rotated
+    query's quarters."""
+    w0, w1 = _halves(y0, BLOCK_M, 32)
+    w2, w3 = _halves(y1, BLOCK_M, 32)
+    w4, w5 = _halves(y2, BLOCK_M, 32)
+    w6, w7 = _halves(y3, BLOCK_M, 32)
+    return w0, w1, w2, w3, w4, w5, w6, w7
 
 
 # Runtime ints that vary step to step are not specialized (one compiled variant serves every chunk
@@ -156,7 +203,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
-    QUERY_BUTTERFLY: tl.constexpr,  # 3-bit key planes at head_dim 128 under HADAMARD: the query rotated once by the butterfly
+    QUERY_BUTTERFLY: tl.constexpr,  # 3-bit key planes at head_dim 128 or 256 under HADAMARD: the query rotated once by butterflies
     ROT16: tl.constexpr,  # 4-bit values' rotation back (Rv's entries +-1/sqrt(D)) by 16-bit dots instead of 3xTF32
     ROT16_UNITS: tl.constexpr,  # (ROT16) vrot_ptr holds Rv x sqrt(D) in fp16 (else fp32 Rv, scaled here)
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
@@ -238,7 +285,12 @@ def _attn_kernel(
                          other=0.0)
         q_mu = tl.sum(q * mu, axis=1) * sm_scale
     if KEY_BITS == 4:
-        if HADAMARD:  # R not read
+        if HADAMARD and D == 256:  # R not read: two butterflies, then H_64 for each quarter (B=1 prologue 2,679 -> 2,010
+            # instructions for 4bit+defaults at 8/4/256; at 128 the same saves ~110 of 1,470, left as measured)
+            y0, y1, y2, y3 = _hadamard_quarters(q_row, row_ok, rot_ptr, D, BLOCK_M)
+            q_lo = _pair(y0, y1, BLOCK_M, 64)
+            q_hi = _pair(y2, y3, BLOCK_M, 64)
+        elif HADAMARD:  # R not read
             q_lo, q_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
         else:
             # q @ R^T over ROTATION_STEP input coordinates at a time: [ROTATION_STEP, D/2] rotation tiles instead of [D, D/2]
@@ -273,10 +325,15 @@ def _attn_kernel(
         r32 = tl.arange(0, 32)
         qp = ()
         qmax = tl.zeros((BLOCK_M,), tl.float32)
-        if QUERY_BUTTERFLY:  # the rotated query once (_hadamard_query), its 16-coordinate blocks put into the windows
+        if QUERY_BUTTERFLY and D == 128:  # the rotated query once (_hadamard_query), its 16-coordinate blocks put into the windows
             qr_lo, qr_hi = _hadamard_query(q_row, row_ok, rot_ptr, hc, D, BLOCK_M)
             qp = _plane_windows_128(qr_lo, qr_hi, BLOCK_M)
             qmax = tl.maximum(tl.max(tl.abs(qr_lo), axis=1), tl.max(tl.abs(qr_hi), axis=1))
+        elif QUERY_BUTTERFLY:  # head_dim 256: the rotated query's quarters (_hadamard_quarters), halved into the windows
+            y0, y1, y2, y3 = _hadamard_quarters(q_row, row_ok, rot_ptr, D, BLOCK_M)
+            qp = _plane_windows_256(y0, y1, y2, y3, BLOCK_M)
+            qmax = tl.maximum(tl.maximum(tl.max(tl.abs(y0), axis=1), tl.max(tl.abs(y1), axis=1)),
+                              tl.maximum(tl.max(tl.abs(y2), axis=1), tl.max(tl.abs(y3), axis=1)))
         elif HADAMARD:
             q_unit, q_scale = hadamard_input(q, rot_ptr, dc, D)
         for w in tl.static_range(0 if QUERY_BUTTERFLY else (6 if D == 128 else 8)):
