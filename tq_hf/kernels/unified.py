@@ -106,6 +106,12 @@ def _hadamard_query(q_row, row_ok, rot_ptr, hc, D: tl.constexpr, BLOCK_M: tl.con
     return q_lo * scale, q_hi * scale
 
 
+@triton.jit
+def _signed_quarter(q_row, ok, rot_ptr, c, K: tl.constexpr, Q: tl.constexpr, D: tl.constexpr):
+    """The query's coordinates K Q + c times R's signs there (R = H diag(s) / sqrt(D)), fp32."""
+    idx = K * Q + c
+    return tl.load(q_row[:, None] + idx[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, idx, D)[None, :]
+
 
 @triton.jit
 def _hadamard_quarters(q_row, row_ok, rot_ptr, D: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -116,10 +122,10 @@ def _hadamard_quarters(q_row, row_ok, rot_ptr, D: tl.constexpr, BLOCK_M: tl.cons
     Q: tl.constexpr = D // 4
     c = tl.arange(0, Q)
     ok = row_ok[:, None] & (c[None, :] < Q)
-    x0 = tl.load(q_row[:, None] + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, c, D)[None, :]
-    x1 = tl.load(q_row[:, None] + Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, Q + c, D)[None, :]
-    x2 = tl.load(q_row[:, None] + 2 * Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, 2 * Q + c, D)[None, :]
-    x3 = tl.load(q_row[:, None] + 3 * Q + c[None, :], mask=ok, other=0.0).to(tl.float32) * hadamard_signs(rot_ptr, 3 * Q + c, D)[None, :]
+    x0 = _signed_quarter(q_row, ok, rot_ptr, c, 0, Q, D)
+    x1 = _signed_quarter(q_row, ok, rot_ptr, c, 1, Q, D)
+    x2 = _signed_quarter(q_row, ok, rot_ptr, c, 2, Q, D)
+    x3 = _signed_quarter(q_row, ok, rot_ptr, c, 3, Q, D)
     s02 = x0 + x2
     d02 = x0 - x2
     s13 = x1 + x3
