@@ -287,12 +287,14 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     assert torch.equal(got, converted)
 
 
-@pytest.mark.parametrize("preset,q_len,head_dim", [("k3v4", 1, 128), ("3bit", 8, 128), ("k3v4", 1, 256), ("3bit", 8, 256)])
+@pytest.mark.parametrize("preset,q_len,head_dim", [("k3v4", 1, 128), ("3bit", 8, 128), ("k3v4", 1, 256), ("3bit", 8, 256),
+                                                   ("4bit", 1, 256)])
 def test_query_rotated_once_for_the_key_planes(preset, q_len, head_dim):
     """query_butterfly: 3-bit key planes at head_dim 128 (one butterfly, then H_64) and 256 (two, then H_64 for each
-    quarter) take the query rotated once and cut into the planes' windows: the reference's attention, and the
-    window-by-window rotation's output to 2**-16 in fp32 (the two round the rotated query to fp16 apart: a
-    coordinate's last bit may differ; a block put into the wrong window is far outside it)."""
+    quarter) take the query rotated once and cut into the planes' windows, 4-bit keys at 256 its quarters joined into
+    halves: the reference's attention, and the window-by-window (halves') rotation's output to 2**-16 in fp32 (the two
+    round the rotated query to fp16 apart: a coordinate's last bit may differ; a block put into the wrong window is
+    far outside it)."""
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
     kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
               **_fidelity_options(layout, 4))
@@ -307,7 +309,7 @@ def test_query_rotated_once_for_the_key_planes(preset, q_len, head_dim):
 def test_query_butterfly_refused_without_key_planes():
     layout = make_layout("4bit", 2, 128)
     pool, table = fill_cache(layout, [40], DEVICE)
-    with pytest.raises(ValueError, match="query_butterfly=True needs 3-bit key planes at head_dim 128 or 256"):
+    with pytest.raises(ValueError, match="query_butterfly=True needs 3-bit key planes at head_dim 128 or 256, or 4-bit"):
         unified_attention(torch.randn(1, 4, 1, 128, device=DEVICE), pool, layout, table,
                           torch.tensor([40], device=DEVICE), 0.1, launch=LaunchConfig(query_butterfly=True))
 
@@ -1000,10 +1002,11 @@ def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset,head_dim,batch,q_len", [("k3v4", 256, 1, 1), ("3bit", 256, 3, 1), ("k3v4", 256, 1, 8),
-                                                         ("3bit", 128, 1, 1)])
+                                                         ("3bit", 128, 1, 1), ("4bit", 256, 1, 1), ("4bit", 256, 16, 1)])
 def test_query_butterfly_gpu(preset, head_dim, batch, q_len):
-    """The query of 3-bit key planes rotated once by butterflies (query_butterfly): the window-by-window rotation's
-    output to fp16's resolution (the rotated query rounds at another point; a window out of place is far off)."""
+    """The query rotated once by butterflies (query_butterfly; 3-bit key planes, 4-bit keys at 256): the
+    window-by-window (halves') rotation's output to fp16's resolution (the rotated query rounds at another point; a
+    window out of place is far off)."""
     _check_decode_lever_gpu(preset, head_dim, batch, q_len, "query_butterfly", tol=2 ** -10)
 
 

@@ -141,12 +141,13 @@ def test_value_rotation_by_16_bit_dots_where_measured_faster():
 
 def test_query_butterfly_where_measured_faster():
     """An H200 rotates the query of 3-bit key planes once (query_butterfly) in decode and verification tiles while the
-    batch leaves SMs free (measured faster at B=1, one and 8 queries; head_dim 128 and 256), not once it fills them
-    (B=16), nor for other key formats, head_dims or the interpreter; an override turns it off."""
+    batch leaves SMs free (measured faster at B=1, one and 8 queries), not once it fills them (B=16), nor for other
+    key formats, head_dims or the interpreter; an override turns it off. At head_dim 256 (3-bit planes, 4-bit keys)
+    it is there when asked for, not yet by default."""
     seen = {}
     for preset, head_dim, batch, q_len in (("k3v4", 128, 1, 1), ("3bit", 128, 1, 1), ("3bit", 128, 1, 8),
                                            ("k3v4", 128, 16, 1), ("4bit", 128, 1, 1), ("3bit", 64, 1, 1),
-                                           ("k3v4", 256, 1, 1), ("3bit", 256, 16, 1)):
+                                           ("k3v4", 256, 1, 1), ("4bit", 256, 1, 1)):
         layout = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         q, *rest = _decode_args(layout, batch)
         q = q.expand(-1, -1, q_len, -1).contiguous()
@@ -159,7 +160,12 @@ def test_query_butterfly_where_measured_faster():
             assert off.constants["QUERY_BUTTERFLY"] is False
     assert seen == {("k3v4", 128, 1, 1): True, ("3bit", 128, 1, 1): True, ("3bit", 128, 1, 8): True,
                     ("k3v4", 128, 16, 1): False, ("4bit", 128, 1, 1): False, ("3bit", 64, 1, 1): False,
-                    ("k3v4", 256, 1, 1): True, ("3bit", 256, 16, 1): False}
+                    ("k3v4", 256, 1, 1): False, ("4bit", 256, 1, 1): False}
+    for preset in ("k3v4", "4bit"):
+        layout = make_layout(preset, 8, 256, key_centering=True, value_rotation=True)
+        q, *rest = _decode_args(layout, 1)
+        asked = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(query_butterfly=True))
+        assert asked.constants["QUERY_BUTTERFLY"] is True
 
 
 def test_value_planes_from_bytes_where_measured_faster():

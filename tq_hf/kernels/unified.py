@@ -209,7 +209,7 @@ def _attn_kernel(
     BT_NEXT: tl.constexpr,  # the unmasked walk loads the next tile's block-table entries an iteration ahead
     POOL32: tl.constexpr,  # the pool has < 2**31 bytes: its addresses are int32 offsets (else int64)
     HADAMARD: tl.constexpr,  # rotation="hadamard": the query's (and bit-stream values' output) rotation without reading R (Rv)
-    QUERY_BUTTERFLY: tl.constexpr,  # 3-bit key planes at head_dim 128 or 256 under HADAMARD: the query rotated once by butterflies
+    QUERY_BUTTERFLY: tl.constexpr,  # under HADAMARD, 3-bit key planes (head_dim 128, 256) or 4-bit keys (256): the query rotated once by butterflies
     ROT16: tl.constexpr,  # 4-bit values' rotation back (Rv's entries +-1/sqrt(D)) by 16-bit dots instead of 3xTF32
     ROT16_UNITS: tl.constexpr,  # (ROT16) vrot_ptr holds Rv x sqrt(D) in fp16 (else fp32 Rv, scaled here)
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
@@ -291,8 +291,7 @@ def _attn_kernel(
                          other=0.0)
         q_mu = tl.sum(q * mu, axis=1) * sm_scale
     if KEY_BITS == 4:
-        if HADAMARD and D == 256:  # R not read: two butterflies, then H_64 for each quarter (B=1 prologue 2,679 -> 2,010
-            # instructions for 4bit+defaults at 8/4/256; at 128 the same saves ~110 of 1,470, left as measured)
+        if HADAMARD and QUERY_BUTTERFLY:  # (head_dim 256) R not read: two butterflies, then H_64 for each quarter
             y0, y1, y2, y3 = _hadamard_quarters(q_row, row_ok, rot_ptr, D, BLOCK_M)
             q_lo = _pair(y0, y1, BLOCK_M, 64)
             q_hi = _pair(y2, y3, BLOCK_M, 64)

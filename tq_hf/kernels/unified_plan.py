@@ -235,14 +235,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
     # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
     # At head_dim 256 two butterflies, then H_64 for each quarter (_hadamard_quarters), where each window built its
-    # 256 x 32 entries: B=1 prologue 5,958 -> 1,859 instructions for k3v4+defaults, 5,949 -> 1,857 3bit (8/4/256,
-    # sm_90a, Triton 3.6), the tile loops unchanged; not timed yet, so the same rule as at 128
-    bfly_ok = use_planes and d in (128, 256) and hadamard
-    query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok and not batch_fills_gpu))
+    # 256 x 32 entries (3-bit planes) or each half H_128 (4-bit keys): B=1 prologue 5,958 -> 1,859 instructions for
+    # k3v4+defaults, 5,949 -> 1,857 3bit, 2,679 -> 2,010 4bit (8/4/256, sm_90a, Triton 3.6), the tile loops
+    # unchanged. Not run on a GPU yet, so opt-in there
+    bfly_ok = hadamard and ((use_planes and d in (128, 256)) or (cfg.key_bits == 4 and d == 256))
+    query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok and d == 128
+                                 and not batch_fills_gpu))
     if query_butterfly and not bfly_ok:
-        raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 or 256 under "
-                         f"rotation='hadamard' (decode tiles of <= 32 rows); got {cfg.key_bits}-bit keys, head_dim {d}, "
-                         f"rotation {cfg.rotation!r}, block_m {block_m}")
+        raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 or 256, or 4-bit "
+                         f"keys at head_dim 256, under rotation='hadamard'; got {cfg.key_bits}-bit keys, head_dim {d}, "
+                         f"rotation {cfg.rotation!r}")
     # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the epilogue's rotation back of 4-bit (or plane) values
     # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). S=32k (H100):
     # B=1 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443, 3bit 0.0601 -> 0.0592; B=16 3bit 0.5630 -> 0.5505, k3v4
