@@ -30,16 +30,17 @@ class LaunchConfig:
     warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too).
     rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
     reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere.
-    rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of
-    Rv's +-1 entries, each row split in two fp16 parts (else 3xTF32 dots). query_butterfly: 3-bit key planes at
-    head_dim 128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows
-    (else each window's coordinates rotated apart); at head_dim 256 (3-bit planes or 4-bit keys) two butterflies,
-    then H_64 for each quarter (else the windows apart, or H_128 for each half). value_planes_asm: 3-bit value planes decoded straight from their
-    loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane word built by Triton's integer
-    ops first). table_registers: the codebook key lookups' register-side table words kept in every thread's
-    registers through the walk (key_lut._tables; else ptxas copies them from uniform registers before each byte
-    permute). rotation_units: rotation_16bit's operand read as fp16 +-1 entries (Rv x sqrt(D); else each program
-    scales and converts fp32 Rv). A field left None takes the plan's default for the shape and device."""
+    rotation_16bit: the rotation back of 4-bit (or plane) values under rotation="hadamard" by 16-bit dots of Rv's
+    +-1 entries, each row split in two fp16 parts (else 3xTF32 dots). query_butterfly: 3-bit key planes at head_dim
+    128 take the query rotated once (a butterfly, then H_64 in registers) and cut into the planes' windows (else
+    each window's coordinates rotated apart); at head_dim 256 (3-bit planes or 4-bit keys) two butterflies, then
+    H_64 for each quarter (else the windows apart, or H_128 for each half). value_planes_asm: 3-bit value planes
+    decoded straight from their loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane
+    word built by Triton's integer ops first). table_registers: the codebook key lookups' register-side table words
+    kept in every thread's registers through the walk (key_lut._tables; else ptxas copies them from uniform
+    registers before each byte permute). rotation_units: rotation_16bit's operand read as fp16 +-1 entries (Rv x
+    sqrt(D); else each program scales and converts fp32 Rv). A field left None takes the plan's default for the
+    shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None

@@ -598,7 +598,7 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
     # per program. Faster at every length timed (H100, 32/8/128): 4bit+defaults one token 8.03 -> 7.38 us, B=16
     # 6.13 -> 5.36, 32k tokens 620 -> 587 us; 3bit 8.42 -> 7.34, 6.26 -> 5.08, 642 -> 586
     hadamard = cfg.rotation == "hadamard"
-    units = hadamard and (launch is None or launch.rotation_units is None or launch.rotation_units)
+    units = hadamard and (launch is None or launch.rotation_units is not False)
     if units:
         rot = key_rotation_units(layout, str(pool.device)) if cfg.uses_codebook else rot
         vrot = value_rotation_units(layout, str(pool.device)) if cfg.value_rotation else vrot
