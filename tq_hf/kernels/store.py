@@ -36,13 +36,19 @@ def _store_meta(plane, field: tl.constexpr, off, T: tl.constexpr, META: tl.const
 
 
 @triton.jit
-def _unit_dot(x, units_ptr, rows, out, out_ok, D: tl.constexpr):
-    """x @ R^T[rows, out] for R = U / sqrt(D) given its fp16 units U (+-1, codec_tensors' *_rotation_units): x's
-    rows scaled to |.| <= 1 through 3 fp16 parts, as hadamard_dot with the entries read instead of built (the same
-    products: U's signs are the ones hadamard_input puts on x)."""
+def _unit_input(x, D: tl.constexpr):
+    """x with rows scaled to |.| <= 1 for _unit_dot, and the factor that takes its products back to x @ R^T (the
+    rows' scale / sqrt(D)); hadamard_input without the signs, which ride in the units."""
     n = row_norm(x)[:, None]
+    return x / n, n * (1.0 / tl.sqrt(D * 1.0))
+
+
+@triton.jit
+def _unit_dot(xu, units_ptr, rows, out, out_ok, D: tl.constexpr):
+    """xu @ U^T[rows, out] for the fp16 units U (+-1, codec_tensors' *_rotation_units) of R = U / sqrt(D), xu from
+    _unit_input through 3 fp16 parts: hadamard_dot with the entries read instead of built (the same products)."""
     u = tl.load(units_ptr + out[None, :] * D + rows[:, None], mask=(rows[:, None] < D) & out_ok[None, :], other=0.0)
-    return split_dot(x / n, u, tl.zeros((x.shape[0], out.shape[0]), tl.float32), 3) * (n * (1.0 / tl.sqrt(D * 1.0)))
+    return split_dot(xu, u, tl.zeros((xu.shape[0], out.shape[0]), tl.float32), 3)
 
 
 @triton.jit
@@ -55,8 +61,9 @@ def _rotate_halves(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, DHP: tl.conste
     # (one branch per case, no early return: Triton type-checks the code after a constexpr branch's return, and
     # with the fp16 units the fp32 branch's dots would not compile)
     if HADAMARD and UNITS:
-        y_lo = _unit_dot(x, rot_ptr, cols, hc, hc < D // 2, D)
-        y_hi = _unit_dot(x, rot_ptr, cols, hc + D // 2, hc < D // 2, D)
+        xu, scale = _unit_input(x, D)
+        y_lo = _unit_dot(xu, rot_ptr, cols, hc, hc < D // 2, D) * scale
+        y_hi = _unit_dot(xu, rot_ptr, cols, hc + D // 2, hc < D // 2, D) * scale
     elif HADAMARD:
         xu, scale = hadamard_input(x, rot_ptr, cols, D)
         zero = tl.zeros((x.shape[0], DHP), tl.float32)
@@ -76,7 +83,8 @@ def _rotate(x, rot_ptr, D: tl.constexpr, DP: tl.constexpr, HADAMARD: tl.constexp
     """x @ R^T (fp32, 3xTF32; under rotation="hadamard" from R's fp16 units, UNITS, or built in registers)."""
     cols = tl.arange(0, DP)
     if HADAMARD and UNITS:
-        y = _unit_dot(x, rot_ptr, cols, cols, cols < D, D)
+        xu, scale = _unit_input(x, D)
+        y = _unit_dot(xu, rot_ptr, cols, cols, cols < D, D) * scale
     elif HADAMARD:
         xu, scale = hadamard_input(x, rot_ptr, cols, D)
         y = hadamard_dot(xu, cols, cols, cols < D, tl.zeros((x.shape[0], DP), tl.float32), 3) * scale
