@@ -25,7 +25,10 @@ tokens per row, one more generate() step; "turn 2 s" = its time to the first tok
 the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K adds a run of generate() with
 prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
 prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's (batch 1 only:
-transformers' assisted decoding takes one sequence).
+transformers' assisted decoding takes one sequence). --prefill-chunk C prefills every run's prompt in chunks of C
+tokens per row (generate(prefill_chunk_size=C), every cache alike): the decode steps read the same history, and the
+prompt's activations shrink to a chunk's (at B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP
+activations beside its 16 GiB of KV, more than an 80 GB GPU holds).
 
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
@@ -83,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="time a second turn of this many new tokens per row over each run's cache (0: off)")
     p.add_argument("--prompt-lookup", type=int, default=0,
                    help="also time generate(prompt_lookup_num_tokens=K) per point and cache (0: off)")
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill prompts in chunks of this many tokens per row, every cache alike (0: one forward)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="model dtype (default float16 on GPU, float32 on CPU)")
@@ -100,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--points takes BxS pairs, e.g. 1x4096,16x32768")
     if any(len(pt) != 2 or min(pt) < 1 for pt in args.points) or args.new_tokens < 2 or args.repeats < 1:
         p.error("points must be positive BxS pairs, --new-tokens >= 2, --repeats >= 1")
+    if args.prefill_chunk < 0:
+        p.error(f"--prefill-chunk takes tokens per chunk (0: one prefill), got {args.prefill_chunk}")
     args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device != "cpu" else torch.float32)
     return args
 
@@ -200,9 +207,9 @@ def compile_config(device: str):
 
 
 def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None, turn2_tokens: int = 0,
-            lookup: int = 0) -> dict:
+            lookup: int = 0, prefill_chunk: int = 0) -> dict:
     """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory;
-    with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup, tokens/s of
+    prefill_chunk: generate()'s prefill_chunk_size (0: one forward); with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup, tokens/s of
     a prompt-lookup generate() over a fresh cache."""
     from transformers import LogitsProcessorList
 
@@ -212,6 +219,7 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
     else:
         cache.reset()
         extra = {"compile_config": compile_config(device)} if compile_config(device) is not None else {}
+    chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     clock = StepClock(device)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -221,7 +229,7 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
     start = time.perf_counter()
     sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1,
                                do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0,
-                               eos_token_id=None, **common.with_cache(model, cache), **extra)
+                               eos_token_id=None, **common.with_cache(model, cache), **extra, **chunked)
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     result = {
         "prefill_s": clock.stamps[0] - start,
@@ -286,7 +294,7 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     # prompt lookup builds caches of its own size (timed for the growing caches only); transformers' assisted
     # decoding takes one sequence
     lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 else args.prompt_lookup
-    extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup)
+    extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup, prefill_chunk=args.prefill_chunk)
     with torch.inference_mode():
         for _ in range(args.warmup):
             one_run(model, spec, prompt, args.new_tokens, args.device, cache, **extra)
@@ -404,7 +412,9 @@ def main(argv: list[str] | None = None) -> dict:
         "new_tokens": args.new_tokens, "warmup": args.warmup, "repeats": args.repeats,
         "method": (f"generate() of 1 + {args.new_tokens} tokens per run from a random prompt, fresh cache per run; "
                    f"{args.warmup} warm-up run(s) of identical lengths, min over {args.repeats} timed run(s); decode "
-                   "ms/token = median step gap (synchronized); peak KV-side = peak allocated minus weights"),
+                   "ms/token = median step gap (synchronized); peak KV-side = peak allocated minus weights"
+                   + (f"; prompts prefilled in chunks of {args.prefill_chunk} tokens per row" if args.prefill_chunk
+                      else "")),
         "skipped": skipped, "results": [],
     }
 

@@ -132,3 +132,41 @@ def test_prompt_lookup_skipped_at_batch_above_one(tmp_path):
     rows = json.loads((out / "results.json").read_text())["results"]
     assert {r["cache"] for r in rows} == {"fp16", "4bit-all"}
     assert all(r["decode_ms_per_token"] > 0 and r.get("lookup_tokens_per_s") is None for r in rows)
+
+
+def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypatch):
+    """--prefill-chunk C: no forward of any cache (growing or compiled) sees more than C new tokens per row, the
+    decode steps still run, and the fixed-size caches end holding what one prefill's do (a growing pool's slack
+    depends on the sizes it grew by)."""
+    from eval import common
+
+    widths: list[tuple[str, int]] = []
+    real_load = common.load_model
+
+    def load_recording(*args, **kwargs):
+        model, tokenizer, desc = real_load(*args, **kwargs)
+        model.register_forward_pre_hook(
+            lambda module, a, kw: widths.append((a[0] if a else kw["input_ids"]).shape[1]), with_kwargs=True)
+        return model, tokenizer, desc
+
+    monkeypatch.setattr(common, "load_model", load_recording)
+    tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
+    caches = f"fp16+compile,{tq},{tq}+compile"
+    runs = {}
+    for chunk in (0, 12):
+        widths.clear()
+        out = tmp_path / f"chunk{chunk}"
+        speed.main(["--preset-set", "tiny", "--points", "1x32", "--caches", caches, "--prefill-chunk", str(chunk),
+                    "--out", str(out), "--device", "cpu"])
+        runs[chunk] = ({r["cache"]: r for r in json.loads((out / "results.json").read_text())["results"]},
+                       list(widths))
+    (one, one_widths), (chunked, chunked_widths) = runs[0], runs[12]
+    # every generate() (4 caches x a warm-up and a timed run): one 32-token prefill, or chunks of 12, 12 and 8
+    assert max(one_widths) == 32 and one_widths.count(32) == 8  # the control
+    assert max(chunked_widths) == 12 and chunked_widths.count(12) == 16 and chunked_widths.count(8) == 8
+    for name, row in chunked.items():
+        assert row["decode_ms_per_token"] > 0, name
+        if name == "fp16" or name.endswith("+compile"):
+            assert row["cache_bytes"] == one[name]["cache_bytes"], name
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--prefill-chunk", "-1"])
