@@ -975,18 +975,19 @@ def test_decode_batch_filling_the_gpu_gpu(preset):
     _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0))
 
 
-def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, lever: str, tol: float = 0.0) -> None:
-    """A decode-path LaunchConfig lever that changes only how the same operands are made (LaunchConfig(lever=True)):
-    the reference's attention with the preset's levers at odd lengths, and the lever-off output exactly (or to a
-    relative `tol` where the lever rounds an operand at another point)."""
-    layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=True)
+def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, lever: str, tol: float = 0.0,
+                            value_rotation: bool = True, **fixed) -> None:
+    """A decode-path LaunchConfig lever that changes only how the same operands are made (LaunchConfig(lever=True),
+    other fields `fixed`): the reference's attention with the preset's levers at odd lengths, and the lever-off
+    output exactly (or to a relative `tol` where the lever rounds an operand at another point)."""
+    layout = make_layout(preset, 4, head_dim, key_centering=True, value_rotation=value_rotation)
     lens = [4099 - 37 * i for i in range(batch)]
     kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4096 + q_len, prefix_len=4, recent=(128, 0),
               key_offset=torch.randn(4, head_dim, device="cuda"))
     outputs = []
     for on in (True, False):
         torch.manual_seed(5)
-        outputs.append(_check(layout, lens, q_len, 4, launch=LaunchConfig(**{lever: on}), **kw))
+        outputs.append(_check(layout, lens, q_len, 4, launch=LaunchConfig(**{lever: on}, **fixed), **kw))
     (got, want), (off, want_again) = outputs
     assert torch.equal(want, want_again)  # the same inputs
     assert (rel_error(got, off) <= tol) if tol else torch.equal(got, off), rel_error(got, off)
@@ -996,8 +997,20 @@ def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, 
 @pytest.mark.parametrize("head_dim,q_len,batch", [(128, 1, 16), (128, 1, 2), (128, 8, 1), (256, 1, 3)])
 def test_value_planes_from_bytes_gpu(head_dim, q_len, batch):
     """3-bit value planes decoded from their loaded bytes by one asm (value_planes_asm), at decode and verification
-    tiles: the plane words' operands exactly."""
-    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_planes_asm")
+    tiles: the plane words' operands exactly (the codes shifted down, as the words' asm leaves them)."""
+    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_planes_asm", planes_in_place=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,q_len,batch,value_rotation", [(128, 1, 16, True), (128, 8, 1, True),
+                                                                 (128, 1, 2, False), (256, 1, 3, False)])
+def test_planes_in_place_gpu(head_dim, q_len, batch, value_rotation):
+    """3-bit value plane codes decoded where they sit (planes_in_place), each accumulator in its own unit: the
+    reference's attention, and the shifted codes' output to fp16's resolution (the same sums a power of two apart,
+    yet the MMAs' fp32 sums of the larger codes rounded to 1 ulp of the output apart on an H100), with the value
+    rotation and without it (there the ring's exact values join the code accumulators in those units)."""
+    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "planes_in_place", tol=2 ** -10,
+                            value_rotation=value_rotation)
 
 
 @pytest.mark.gpu

@@ -142,12 +142,13 @@ def test_value_rotation_by_16_bit_dots_where_measured_faster():
 def test_query_butterfly_where_measured_faster():
     """An H200 rotates the query of 3-bit key planes once (query_butterfly) in decode and verification tiles while the
     batch leaves SMs free (measured faster at B=1, one and 8 queries), not once it fills them (B=16), nor for other
-    key formats, head_dims or the interpreter; an override turns it off. At head_dim 256 (3-bit planes, 4-bit keys)
-    it is there when asked for, not yet by default."""
+    key formats, head_dims or the interpreter; an override turns it off. At head_dim 256 (3-bit planes, 4-bit keys;
+    two butterflies) at every batch (measured faster at B=1 and 16)."""
     seen = {}
     for preset, head_dim, batch, q_len in (("k3v4", 128, 1, 1), ("3bit", 128, 1, 1), ("3bit", 128, 1, 8),
                                            ("k3v4", 128, 16, 1), ("4bit", 128, 1, 1), ("3bit", 64, 1, 1),
-                                           ("k3v4", 256, 1, 1), ("4bit", 256, 1, 1)):
+                                           ("k3v4", 256, 1, 1), ("4bit", 256, 1, 1), ("3bit", 256, 16, 1),
+                                           ("4bit", 256, 16, 1), ("k8v4", 256, 1, 1)):
         layout = make_layout(preset, 8, head_dim, key_centering=True, value_rotation=True)
         q, *rest = _decode_args(layout, batch)
         q = q.expand(-1, -1, q_len, -1).contiguous()
@@ -160,24 +161,40 @@ def test_query_butterfly_where_measured_faster():
             assert off.constants["QUERY_BUTTERFLY"] is False
     assert seen == {("k3v4", 128, 1, 1): True, ("3bit", 128, 1, 1): True, ("3bit", 128, 1, 8): True,
                     ("k3v4", 128, 16, 1): False, ("4bit", 128, 1, 1): False, ("3bit", 64, 1, 1): False,
-                    ("k3v4", 256, 1, 1): False, ("4bit", 256, 1, 1): False}
-    for preset in ("k3v4", "4bit"):
-        layout = make_layout(preset, 8, 256, key_centering=True, value_rotation=True)
-        q, *rest = _decode_args(layout, 1)
-        asked = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(query_butterfly=True))
-        assert asked.constants["QUERY_BUTTERFLY"] is True
+                    ("k3v4", 256, 1, 1): True, ("4bit", 256, 1, 1): True, ("3bit", 256, 16, 1): True,
+                    ("4bit", 256, 16, 1): True, ("k8v4", 256, 1, 1): False}
 
 
 def test_value_planes_from_bytes_where_measured_faster():
     """value_planes_asm (3-bit value planes' bytes decoded by one asm) is on by default for the 3-bit value planes of
-    a PTX device (VALUE_PTX 2); it leaves 4-bit values and the interpreter as they were, and turns off when asked."""
-    for preset, want in (("3bit", 2), ("k3v4", 1)):
+    a PTX device (VALUE_PTX 3 at head_dim 128: decoded in place); it leaves 4-bit values and the interpreter as they
+    were, and turns off when asked."""
+    for preset, want in (("3bit", 3), ("k3v4", 1)):
         args = _decode_args(make_layout(preset, 8, 128, key_centering=True, value_rotation=True))
         default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
         off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(value_planes_asm=False))
         interpreted = plan_attention(*args, max_seq_len=32768)
         assert (default.constants["VALUE_PTX"], off.constants["VALUE_PTX"]) == (want, 1)
         assert interpreted.constants["VALUE_PTX"] == 0
+
+
+def test_planes_in_place_only_where_the_plane_bytes_asm_runs():
+    """planes_in_place (the plane codes decoded where they sit, value_nibbles.PLANE_SCALED_ASM; VALUE_PTX 3) is on by
+    default where measured faster: head_dim 128 at any batch, 256 while the batch leaves SMs free (at B=16 no
+    faster); off when asked; asked where the byte-plane asm does not run (4-bit values, the interpreter, the asm
+    off) it is refused by name."""
+    for head_dim, batch, want in ((128, 1, 3), (128, 16, 3), (256, 1, 3), (256, 16, 2)):
+        args = _decode_args(make_layout("3bit", 8, head_dim, key_centering=True, value_rotation=True), batch)
+        assert plan_attention(*args, max_seq_len=32768, device_traits=H200).constants["VALUE_PTX"] == want
+        off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(planes_in_place=False))
+        assert off.constants["VALUE_PTX"] == 2
+    args = _decode_args(make_layout("3bit", 8, 128, key_centering=True, value_rotation=True))
+    k3v4 = _decode_args(make_layout("k3v4", 8, 128, key_centering=True, value_rotation=True))
+    for where, launch in ((k3v4, dict(device_traits=H200)), (args, {}),
+                          (args, dict(device_traits=H200, value_planes_asm=False))):
+        asm = {"value_planes_asm": launch.pop("value_planes_asm")} if "value_planes_asm" in launch else {}
+        with pytest.raises(ValueError, match="planes_in_place"):
+            plan_attention(*where, max_seq_len=32768, launch=LaunchConfig(planes_in_place=True, **asm), **launch)
 
 
 def test_table_registers_where_measured_faster():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tq_hf.kernels.value_nibbles import ASM, CONSTRAINTS, PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS, PLANES_ASM
+from tq_hf.kernels.value_nibbles import (ASM, CONSTRAINTS, PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS, PLANE_SCALED_ASM,
+                                         PLANES_ASM)
 
 from ptx_emulator import run
 
@@ -59,11 +60,13 @@ def test_every_plane_word_becomes_its_four_3bit_codes_as_fp16_subnormals():
 
 
 @pytest.mark.slow
-def test_plane_bytes_become_their_four_3bit_codes_as_fp16_subnormals():
+@pytest.mark.parametrize("asm,in_place", [(PLANE_BYTES_ASM, False), (PLANE_SCALED_ASM, True)])
+def test_plane_bytes_become_their_four_3bit_codes_as_fp16_subnormals(asm, in_place):
     """3-bit value planes from the loaded bytes, 4 elements per instance: element k's 2-bit-plane byte L (byte k of
     $8), bit-plane byte H (of $9) and mask (of $10: 0x00 its column's even bits, 0xFF the odd ones) give, in half
     k % 2 of output $2a + k // 2, code (L >> 2a & 3) | (H >> (2a + odd) & 1) << 2 as the fp16 value code * 2**-24
-    (its bits are the code). Every (L, H) pair sits in one element, its neighbours and every mask random."""
+    (its bits are the code); decoded in place (PLANE_SCALED_ASM), code * 4**a * 2**-24 (the code at bits 2a to
+    2a + 2, every other bit clear). Every (L, H) pair sits in one element, its neighbours and every mask random."""
     assert PLANE_BYTES_CONSTRAINTS.count("=r") == 8 and PLANE_BYTES_CONSTRAINTS.count(",r") == 3
     rng = np.random.default_rng()
     n = 1 << 16
@@ -74,12 +77,13 @@ def test_plane_bytes_become_their_four_3bit_codes_as_fp16_subnormals():
     low[np.arange(n), at], high[np.arange(n), at] = pairs & 0xFF, pairs >> 8
     shift = 8 * np.arange(4, dtype=np.uint32)
     regs = [(x << shift).sum(axis=1).tolist() for x in (low, high, odd * 0xFF)]
-    outs = np.array([[got[j] for j in range(8)] for got in (run(PLANE_BYTES_ASM, {8: a, 9: b, 10: c})
+    outs = np.array([[got[j] for j in range(8)] for got in (run(asm, {8: a, 9: b, 10: c})
                                                             for a, b, c in zip(*regs))], dtype=np.uint32)
     for k in range(4):
         for a in range(4):
             half = (outs[:, 2 * a + k // 2] >> (16 * (k % 2))) & 0xFFFF
             code = ((low[:, k] >> (2 * a)) & 3) | (((high[:, k] >> (2 * a + odd[:, k])) & 1) << 2)
+            code = code << (2 * a) if in_place else code
             bad = np.nonzero(half != code)[0]
             assert bad.size == 0, (f"element {k}, code {a}: L {int(low[bad[0], k]):#04x} H {int(high[bad[0], k]):#04x} "
                                    f"odd {int(odd[bad[0], k])} -> {int(half[bad[0]]):#06x}, want {int(code[bad[0]])} "

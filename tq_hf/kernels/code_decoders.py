@@ -15,6 +15,7 @@ from .key_lut import SPARE_ASM as _SPARE_ASM, SPARE_CONSTRAINTS as _SPARE_CONSTR
 from .key_lut import WORDS_CONSTRAINTS as _LUT_WORDS_CONSTRAINTS
 from .value_nibbles import ASM as _VALUE_NIBBLES_ASM, CONSTRAINTS as _VALUE_NIBBLES_CONSTRAINTS, PLANES_ASM as _PLANES_ASM
 from .value_nibbles import PLANE_BYTES_ASM as _PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS as _PLANE_BYTES_CONSTRAINTS
+from .value_nibbles import PLANE_SCALED_ASM as _PLANE_SCALED_ASM
 
 LUT_CONSTRAINTS = tl.constexpr(_LUT_CONSTRAINTS)
 LUT_WORDS_CONSTRAINTS = tl.constexpr(_LUT_WORDS_CONSTRAINTS)
@@ -26,6 +27,7 @@ VALUE_NIBBLES_CONSTRAINTS = tl.constexpr(_VALUE_NIBBLES_CONSTRAINTS)
 VALUE_PLANES_ASM = tl.constexpr(_PLANES_ASM)
 PLANE_BYTES_ASM = tl.constexpr(_PLANE_BYTES_ASM)
 PLANE_BYTES_CONSTRAINTS = tl.constexpr(_PLANE_BYTES_CONSTRAINTS)
+PLANE_SCALED_ASM = tl.constexpr(_PLANE_SCALED_ASM)
 
 
 @triton.jit
@@ -76,14 +78,32 @@ def value_col(c, J: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, PLANES: 
 
 
 @triton.jit
+def code_unit(J: tl.constexpr, VALUE_WORDS: tl.constexpr, PLANE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr):
+    """What one unit of value accumulator J's fp16 codes stands for: the MMAs sum codes as the decoders leave them
+    (subnormals, 1024-offset bytes, codes shifted or not), and exact values join (and the epilogue leaves) each
+    accumulator in its unit. PLANE_WORDS 2: plane codes decoded in place, code J at 4**J (PLANE_SCALED_ASM)."""
+    if VALUE_WORDS:  # nibble words: odd accumulators the high nibbles, 16 x
+        unit: tl.constexpr = 5.960464477539063e-08 * (16 if J % 2 else 1)
+    elif PLANE_WORDS:
+        unit: tl.constexpr = 5.960464477539063e-08 * ((1 << (2 * J)) if PLANE_WORDS == 2 else 1)
+    elif VALUE_PLANES:  # 64-row tiles: the codes themselves
+        unit: tl.constexpr = 1.0
+    else:  # 4-bit bytes: acc1 the high nibbles, 16 x
+        unit: tl.constexpr = 16.0 if J == 1 else 1.0
+    return unit
+
+
+@triton.jit
 def value_plane_words(low, high, half, PTX: tl.constexpr):
     """3-bit value codes (layout.value_planes) of coordinates a * D/4 + j, a = 0..3, from the 2-bit plane's
     bytes `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
     code * 2**-24. One 16-bit word per token and column (low | the column's bit-plane bits << 8) feeds a
     mask-only decode of two tokens per register (value_nibbles.PLANES_ASM), as the 4-bit value words do. PTX 2: the
-    words are paired in registers by value_nibbles.PLANE_BYTES_ASM instead, 4 elements per asm; 0: integer ops."""
-    if PTX == 2:  # the words never built: value_nibbles.PLANE_BYTES_ASM from the bytes, 4 elements per instance
-        return tl.inline_asm_elementwise(PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS, [low, high, (half * 255).to(tl.uint8)],
+    words are paired in registers by value_nibbles.PLANE_BYTES_ASM instead, 4 elements per asm; 3: the same by
+    PLANE_SCALED_ASM, code a as code * 4**a * 2**-24 (code_unit); 0: integer ops."""
+    if PTX >= 2:  # the words never built: 4 elements per asm, from the bytes
+        return tl.inline_asm_elementwise(PLANE_SCALED_ASM if PTX == 3 else PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS,
+                                         [low, high, (half * 255).to(tl.uint8)],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     w = low.to(tl.uint16) | (((high >> half) & 0x55).to(tl.uint16) << 8)
     if PTX:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .code_decoders import value_col
+from .code_decoders import code_unit, value_col
 from .rotation import (hadamard_dot, hadamard_entries, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot,
                        unit_rotation_rows)
 from .rounding import store_rounded
@@ -201,7 +201,9 @@ def _attn_kernel(
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
-    VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (0: Triton integer ops; 2: planes from bytes)
+    # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (0: Triton integer ops; 2: planes from bytes;
+    # 3: those decoded in place, code_unit)
+    VALUE_PTX: tl.constexpr,
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (load_meta_pairs), prefetched a tile ahead
     META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (load_meta), prefetched too
@@ -271,7 +273,8 @@ def _attn_kernel(
     # ---- prologue: load and rotate the queries, normalise each row's range for fp16 ----------
     dc = tl.arange(0, DP)
     hc = tl.arange(0, HALF_DP)
-    PLANE_WORDS: tl.constexpr = VALUE_PLANES and BLOCK_M <= 32  # 4 accumulators (else 2, value_plane_bytes)
+    # 4 accumulators (else 2, value_plane_bytes); 2: the codes decoded in place, each at its own unit (code_unit)
+    PLANE_WORDS: tl.constexpr = ((2 if VALUE_PTX == 3 else 1) if BLOCK_M <= 32 else 0) if VALUE_PLANES else 0
     VALUE_COLS_P: tl.constexpr = QUARTER_DP if (VALUE_WORDS or PLANE_WORDS) else HALF_DP  # columns of each value accumulator
     vcol = tl.arange(0, VALUE_COLS_P)
     VALUE_COLS: tl.constexpr = D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2  # real ones
@@ -490,13 +493,12 @@ def _attn_kernel(
     else:
         dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
     if VALUE_BITS == 4 or VALUE_PLANES:
-        inv_lo = inv_l * (16777216.0 if FOUR_ACC else 1.0)  # back from the codes' fp16 scale (acc0..3 above)
-        inv_hi = inv_l * (1048576.0 if VALUE_WORDS else (16777216.0 if PLANE_WORDS else (1.0 if VALUE_PLANES else 0.0625)))
-        out0 = acc0 * inv_lo[:, None] + bias_out[:, None]
-        out1 = acc1 * inv_hi[:, None] + bias_out[:, None]
+        # back from each accumulator's code unit
+        out0 = acc0 * (inv_l * (1.0 / code_unit(0, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
+        out1 = acc1 * (inv_l * (1.0 / code_unit(1, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
         if FOUR_ACC:
-            out2 = acc2 * inv_lo[:, None] + bias_out[:, None]
-            out3 = acc3 * inv_hi[:, None] + bias_out[:, None]
+            out2 = acc2 * (inv_l * (1.0 / code_unit(2, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
+            out3 = acc3 * (inv_l * (1.0 / code_unit(3, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
         if VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)

@@ -237,10 +237,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # At head_dim 256 two butterflies, then H_64 for each quarter (_hadamard_quarters), where each window built its
     # 256 x 32 entries (3-bit planes) or each half H_128 (4-bit keys): B=1 prologue 5,958 -> 1,859 instructions for
     # k3v4+defaults, 5,949 -> 1,857 3bit, 2,679 -> 2,010 4bit (8/4/256, sm_90a, Triton 3.6), the tile loops
-    # unchanged. Not run on a GPU yet, so opt-in there
+    # unchanged; S=32k 8/4/256 (H100) B=1 4bit+defaults 0.0763 -> 0.0728 ms, k3v4 0.0963 -> 0.0723, 3bit 0.1020 ->
+    # 0.0761; B=16 0.349 -> 0.333, 0.392 -> 0.322, 0.502 -> 0.434: at every batch there
     bfly_ok = hadamard and ((use_planes and d in (128, 256)) or (cfg.key_bits == 4 and d == 256))
-    query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok and d == 128
-                                 and not batch_fills_gpu))
+    query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok
+                                 and (d == 256 or not batch_fills_gpu)))
     if query_butterfly and not bfly_ok:
         raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 or 256, or 4-bit "
                          f"keys at head_dim 256, under rotation='hadamard'; got {cfg.key_bits}-bit keys, head_dim {d}, "
@@ -261,7 +262,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # ops built each token's plane word: 3bit+defaults S=32k (H100) B=1 0.0567 -> 0.0554 ms, B=16 0.5495 -> 0.5279,
     # 8 queries 0.0862 -> 0.0829 (with table_registers); the loop 1,476 -> 1,347 instructions (B=16, sm_90a)
     planes_asm = bool(_pick(launch.value_planes_asm, True)) and planes_v and ptx and block_m <= 32  # (plane words)
-    value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
+    # the plane codes decoded in place (value_nibbles.PLANE_SCALED_ASM), 18 instructions per 16 codes against 47:
+    # S=32k (H100) 32/8/128 3bit+defaults B=16 0.5228 -> 0.5116 ms, B=1 0.0536 -> 0.0526, plain 3bit B=16 0.482 ->
+    # 0.466; 8/4/256 B=1 0.1024 -> 0.1009, B=16 0.4946 -> 0.4956 (so not there)
+    in_place = bool(_pick(launch.planes_in_place, planes_asm and (d == 128 or not batch_fills_gpu)))
+    if in_place and not planes_asm:
+        raise ValueError("LaunchConfig planes_in_place=True needs value_planes_asm: 3-bit value planes at head_dim 128 "
+                         f"or 256, decode tiles of <= 32 rows, on a GPU; got {cfg.value_bits}-bit values, head_dim {d}, "
+                         f"block_m {block_m}, PTX {ptx}")
+    # (unified._attn_kernel's VALUE_PTX)
+    value_ptx = (3 if in_place else 2) if planes_asm else int(bool((value_words or planes_v) and ptx))
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
     # register before each byte permute. S=32k (H100): B=16 4bit+defaults 0.2298 -> 0.2271 ms, k3v4+defaults 0.3600
     # -> 0.3538, 3bit+defaults (planes from bytes) 0.5279 -> 0.5272; B=1 k3v4 0.0475 -> 0.0472, 3bit 0.0554 -> 0.0551;

@@ -53,3 +53,24 @@ PLANE_BYTES_ASM = (
     + "prmt.b32 w, $8, lo, 0x7362;\n" + _plane_codes("w", ("$1", "$3", "$5", "$7")) + "}")
 
 PLANE_BYTES_CONSTRAINTS = "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r"  # 4 fp16 outputs x 4 elements; 3 inputs of 4 bytes
+
+# The same codes decoded in place, each at its own scale (code a as code * 4**a * 2**-24; the accumulators are
+# scaled back once, as the high nibbles' are): with the bit-plane bits moved next to their codes (s = w >> 6 puts
+# code a's at bit 2a + 2), one bit select joins codes 0 and 2 with theirs, another codes 1 and 3, and one mask
+# each cuts a code out, where _plane_codes shifted each down (18 against 47 instructions per 16 codes). Bits
+# between the selected ones may hold anything (the odd bits of the bit-plane bytes, the next lane's): no mask
+# keeps them. Output $2a holds code a of elements 0 and 1 at bits 2a to 2a + 2, $2a + 1 of elements 2 and 3.
+def _scaled_codes(word: str, outs: tuple[str, ...]) -> str:
+    return (f"shr.b32 s, {word}, 6;\n"
+            f"and.b32 t, {word}, 0x00330033;\nand.b32 u, s, 0xFFCCFFCC;\nor.b32 t, t, u;\n"  # codes 0 and 2
+            f"and.b32 {outs[0]}, t, 0x00070007;\nand.b32 {outs[2]}, t, 0x00700070;\n"
+            f"and.b32 t, {word}, 0x00CC00CC;\nand.b32 u, s, 0xFF33FF33;\nor.b32 t, t, u;\n"  # codes 1 and 3
+            f"and.b32 {outs[1]}, t, 0x001C001C;\nand.b32 {outs[3]}, t, 0x01C001C0;\n")
+
+
+PLANE_SCALED_ASM = (
+    "{\n.reg .b32 s, t, u, w, hb;\n"
+    "shr.b32 s, $9, 1;\nand.b32 s, s, $10;\nnot.b32 t, $10;\nand.b32 hb, $9, t;\nor.b32 hb, hb, s;\n"
+    "prmt.b32 w, $8, hb, 0x5140;\n" + _scaled_codes("w", ("$0", "$2", "$4", "$6"))
+    + "prmt.b32 w, $8, hb, 0x7362;\n" + _scaled_codes("w", ("$1", "$3", "$5", "$7")) + "}")
+
