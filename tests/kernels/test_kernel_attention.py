@@ -626,8 +626,8 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     assert seen["VALUE_PLANES"] == (preset == "3bit" and head_dim == 128), seen
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128 and preset != "3bit"
-    planes = preset == "3bit" and head_dim == 128  # 3-bit value planes: decoded from their bytes by their own asm
-    assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, 2 if planes else int(words)), seen
+    planes = preset == "3bit" and head_dim == 128  # 3-bit value planes: decoded in place from their bytes by their asm
+    assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, 3 if planes else int(words)), seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
     if head_dim == 64:  # there the 4-bit code words' decode and FP8 keys', when the batch leaves SMs free

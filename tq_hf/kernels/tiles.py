@@ -149,16 +149,20 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
         acc_x = _exact_values(p, acc_x * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     elif VALUE_BITS == 4 or VALUE_PLANES:
         v_ok = vcol < (D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2)
-        # in each accumulator's code unit
-        acc0 = _exact_values(p * code_unit(0, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
-        acc1 = _exact_values(p * code_unit(1, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc1 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                             value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
+        # each accumulator in its code unit
+        acc0 = _exact_values(p * code_unit(0, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc0 * alpha[:, None], v_base,
+                             s_vh, s_v, rows, ok, value_col(vcol, 0, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub,
+                             HEADS_PER_PROGRAM, PREC, Q8, D)
+        acc1 = _exact_values(p * code_unit(1, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc1 * alpha[:, None], v_base,
+                             s_vh, s_v, rows, ok, value_col(vcol, 1, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub,
+                             HEADS_PER_PROGRAM, PREC, Q8, D)
         if VALUE_WORDS or PLANE_WORDS:
-            acc2 = _exact_values(p * code_unit(2, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc2 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
-            acc3 = _exact_values(p * code_unit(3, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc3 * alpha[:, None], v_base, s_vh, s_v, rows, ok,
-                                 value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
+            acc2 = _exact_values(p * code_unit(2, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc2 * alpha[:, None],
+                                 v_base, s_vh, s_v, rows, ok, value_col(vcol, 2, D, VALUE_WORDS, PLANE_WORDS), v_ok,
+                                 sub, HEADS_PER_PROGRAM, PREC, Q8, D)
+            acc3 = _exact_values(p * code_unit(3, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES), acc3 * alpha[:, None],
+                                 v_base, s_vh, s_v, rows, ok, value_col(vcol, 3, D, VALUE_WORDS, PLANE_WORDS), v_ok,
+                                 sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     else:
         acc0 = _exact_values(p, acc0 * alpha[:, None], v_base, s_vh, s_v, rows, ok, dc, dc < D, sub, HEADS_PER_PROGRAM, PREC, Q8, D)
     return m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc

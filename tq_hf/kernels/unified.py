@@ -494,11 +494,11 @@ def _attn_kernel(
         dst = o_ptr + b.to(tl.int64) * s_ob + qhead.to(tl.int64)[:, None] * s_oh + qi.to(tl.int64)[:, None] * s_ol
     if VALUE_BITS == 4 or VALUE_PLANES:
         # back from each accumulator's code unit
-        out0 = acc0 * (inv_l * (1.0 / code_unit(0, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
-        out1 = acc1 * (inv_l * (1.0 / code_unit(1, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
+        out0 = acc0 * (inv_l / code_unit(0, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES))[:, None] + bias_out[:, None]
+        out1 = acc1 * (inv_l / code_unit(1, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES))[:, None] + bias_out[:, None]
         if FOUR_ACC:
-            out2 = acc2 * (inv_l * (1.0 / code_unit(2, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
-            out3 = acc3 * (inv_l * (1.0 / code_unit(3, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES)))[:, None] + bias_out[:, None]
+            out2 = acc2 * (inv_l / code_unit(2, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES))[:, None] + bias_out[:, None]
+            out3 = acc3 * (inv_l / code_unit(3, VALUE_WORDS, PLANE_WORDS, VALUE_PLANES))[:, None] + bias_out[:, None]
         # (here Rv is read: built in registers it measured slower, up to 64% for k3v4 with the levers)
         if VALUE_ROT and not ROT_IN_REDUCE:  # back from the rotated value space: out @ Rv, over the rows of each accumulator's coordinates
             rmask = (vcol[:, None] < VALUE_COLS) & (dc[None, :] < D)
