@@ -287,6 +287,23 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     assert torch.equal(got, converted)
 
 
+@pytest.mark.parametrize("q_len,head_dim,value_rotation", [(1, 128, True), (8, 128, False), (1, 256, False)])
+def test_value_plane_codes_in_place(q_len, head_dim, value_rotation):
+    """planes_in_place: 3-bit value plane codes left where they sit (code a at 4**a its unit), each accumulator
+    scaled by its own unit where the exact prefix and ring values join it (no value rotation) and in the epilogue:
+    the reference's attention, and the shifted codes' output to 2**-20 (the same sums a power of two apart; a unit
+    off by a factor of 4 on one accumulator is far outside it)."""
+    layout = make_layout("3bit", 2, head_dim, key_centering=True, value_rotation=value_rotation)
+    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
+              **_fidelity_options(layout, 4))
+    torch.manual_seed(12)
+    got, want = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(planes_in_place=True, block_m=16), **kw)
+    torch.manual_seed(12)
+    base, want_again = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(block_m=16), **kw)
+    assert torch.equal(want, want_again)
+    assert rel_error(got, base) <= 2 ** -20, rel_error(got, base)
+
+
 @pytest.mark.parametrize("preset,q_len,head_dim", [("k3v4", 1, 128), ("3bit", 8, 128), ("k3v4", 1, 256), ("3bit", 8, 256),
                                                    ("4bit", 1, 256)])
 def test_query_rotated_once_for_the_key_planes(preset, q_len, head_dim):
@@ -627,7 +644,8 @@ def test_gpu_decode_key_lookup_choices(preset, batch, q_len, lookup, block_n, ma
     # 4-bit values as 16-bit words in decode tiles (mma.sync) where each warp has 8 columns of its own
     words = q_len == 1 and head_dim == 128 and preset != "3bit"
     planes = preset == "3bit" and head_dim == 128  # 3-bit value planes: decoded in place from their bytes by their asm
-    assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, 3 if planes else int(words)), seen
+    assert (seen["VALUE_WORDS"], seen["VALUE_PTX"]) == (words, 2 if planes else int(words)), seen
+    assert seen["PLANES_IN_PLACE"] == planes, seen
     # the metadata as token pairs and 3 pipeline stages: the 4-bit lookup's decode when the batch leaves SMs free
     pairs = lookup and head_dim == 128 and batch < 16 and not three and not head_pairs
     if head_dim == 64:  # there the 4-bit code words' decode and FP8 keys', when the batch leaves SMs free

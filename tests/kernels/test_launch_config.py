@@ -167,9 +167,8 @@ def test_query_butterfly_where_measured_faster():
 
 def test_value_planes_from_bytes_where_measured_faster():
     """value_planes_asm (3-bit value planes' bytes decoded by one asm) is on by default for the 3-bit value planes of
-    a PTX device (VALUE_PTX 3 at head_dim 128: decoded in place); it leaves 4-bit values and the interpreter as they
-    were, and turns off when asked."""
-    for preset, want in (("3bit", 3), ("k3v4", 1)):
+    a PTX device (VALUE_PTX 2); it leaves 4-bit values and the interpreter as they were, and turns off when asked."""
+    for preset, want in (("3bit", 2), ("k3v4", 1)):
         args = _decode_args(make_layout(preset, 8, 128, key_centering=True, value_rotation=True))
         default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
         off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(value_planes_asm=False))
@@ -179,18 +178,22 @@ def test_value_planes_from_bytes_where_measured_faster():
 
 
 def test_planes_in_place_only_where_the_plane_bytes_asm_runs():
-    """planes_in_place (the plane codes decoded where they sit, value_nibbles.PLANE_SCALED_ASM; VALUE_PTX 3) is on by
-    default where measured faster: head_dim 128 at any batch, 256 while the batch leaves SMs free (at B=16 no
-    faster); off when asked; asked where the byte-plane asm does not run (4-bit values, the interpreter, the asm
-    off) it is refused by name."""
-    for head_dim, batch, want in ((128, 1, 3), (128, 16, 3), (256, 1, 3), (256, 16, 2)):
+    """planes_in_place (the plane codes decoded where they sit, value_nibbles.PLANE_SCALED_ASM) is on by default
+    where measured faster: head_dim 128 at any batch, 256 while the batch leaves SMs free (at B=16 no faster); off
+    when asked and in the interpreter unless asked (there by integer ops, for the tests); asked where the plane codes
+    are not decoded from their bytes on a GPU (4-bit values, the asm off) it is refused by name."""
+    for head_dim, batch, want in ((128, 1, True), (128, 16, True), (256, 1, True), (256, 16, False)):
         args = _decode_args(make_layout("3bit", 8, head_dim, key_centering=True, value_rotation=True), batch)
-        assert plan_attention(*args, max_seq_len=32768, device_traits=H200).constants["VALUE_PTX"] == want
+        plan = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+        assert (plan.constants["PLANES_IN_PLACE"], plan.constants["VALUE_PTX"]) == (want, 2)
         off = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(planes_in_place=False))
-        assert off.constants["VALUE_PTX"] == 2
+        assert off.constants["PLANES_IN_PLACE"] is False
     args = _decode_args(make_layout("3bit", 8, 128, key_centering=True, value_rotation=True))
+    assert plan_attention(*args, max_seq_len=32768).constants["PLANES_IN_PLACE"] is False
+    interpreted = plan_attention(*args, max_seq_len=32768, launch=LaunchConfig(planes_in_place=True))
+    assert (interpreted.constants["PLANES_IN_PLACE"], interpreted.constants["VALUE_PTX"]) == (True, 0)
     k3v4 = _decode_args(make_layout("k3v4", 8, 128, key_centering=True, value_rotation=True))
-    for where, launch in ((k3v4, dict(device_traits=H200)), (args, {}),
+    for where, launch in ((k3v4, dict(device_traits=H200)), (k3v4, {}),
                           (args, dict(device_traits=H200, value_planes_asm=False))):
         asm = {"value_planes_asm": launch.pop("value_planes_asm")} if "value_planes_asm" in launch else {}
         with pytest.raises(ValueError, match="planes_in_place"):

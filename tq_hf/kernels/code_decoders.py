@@ -94,19 +94,25 @@ def code_unit(J: tl.constexpr, VALUE_WORDS: tl.constexpr, PLANE_WORDS: tl.conste
 
 
 @triton.jit
-def value_plane_words(low, high, half, PTX: tl.constexpr):
+def value_plane_words(low, high, half, PTX: tl.constexpr, IN_PLACE: tl.constexpr):
     """3-bit value codes (layout.value_planes) of coordinates a * D/4 + j, a = 0..3, from the 2-bit plane's
     bytes `low` and the bit plane's bytes `high` (byte j % (D/8); half = j // (D/8)), as fp16 subnormals
     code * 2**-24. One 16-bit word per token and column (low | the column's bit-plane bits << 8) feeds a
     mask-only decode of two tokens per register (value_nibbles.PLANES_ASM), as the 4-bit value words do. PTX 2: the
-    words are paired in registers by value_nibbles.PLANE_BYTES_ASM instead, 4 elements per asm; 3: the same by
-    PLANE_SCALED_ASM, code a as code * 4**a * 2**-24 (code_unit); 0: integer ops."""
-    if PTX >= 2:  # the words never built: 4 elements per asm, from the bytes
-        return tl.inline_asm_elementwise(PLANE_SCALED_ASM if PTX == 3 else PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS,
+    words are paired in registers by value_nibbles.PLANE_BYTES_ASM instead, 4 elements per asm; 0: integer ops.
+    IN_PLACE: code a left at bits 2a to 2a + 2, code * 4**a * 2**-24 (code_unit; PLANE_SCALED_ASM with PTX 2)."""
+    if PTX == 2:  # the words never built: 4 elements per asm, from the bytes
+        return tl.inline_asm_elementwise(PLANE_SCALED_ASM if IN_PLACE else PLANE_BYTES_ASM, PLANE_BYTES_CONSTRAINTS,
                                          [low, high, (half * 255).to(tl.uint8)],
                                          dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
     w = low.to(tl.uint16) | (((high >> half) & 0x55).to(tl.uint16) << 8)
-    if PTX:
+    if IN_PLACE:  # (the interpreter's path to the same codes): s puts each code's bit-plane bit at bit 2a + 2
+        s = w >> 6
+        n0 = ((w & 0x0003) | (s & 0x0004)).to(tl.float16, bitcast=True)
+        n1 = ((w & 0x000C) | (s & 0x0010)).to(tl.float16, bitcast=True)
+        n2 = ((w & 0x0030) | (s & 0x0040)).to(tl.float16, bitcast=True)
+        n3 = ((w & 0x00C0) | (s & 0x0100)).to(tl.float16, bitcast=True)
+    elif PTX:
         n0, n1, n2, n3 = tl.inline_asm_elementwise(VALUE_PLANES_ASM, VALUE_NIBBLES_CONSTRAINTS, [w],
                                                    dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
                                                    is_pure=True, pack=2)

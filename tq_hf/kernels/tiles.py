@@ -373,7 +373,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
-        v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX)
+        v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])

@@ -201,9 +201,8 @@ def _attn_kernel(
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
-    # VALUE_WORDS / VALUE_PLANES decoded by value_nibbles.py's asm (0: Triton integer ops; 2: planes from bytes;
-    # 3: those decoded in place, code_unit)
-    VALUE_PTX: tl.constexpr,
+    VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES by value_nibbles.py's asm (0: integer ops; 2: planes from bytes)
+    PLANES_IN_PLACE: tl.constexpr,  # 3-bit value plane codes decoded where they sit, each accumulator in its code_unit
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (load_meta_pairs), prefetched a tile ahead
     META_WORDS: tl.constexpr,  # (else) each token's metadata from its pair's 32-bit word (load_meta), prefetched too
@@ -274,7 +273,7 @@ def _attn_kernel(
     dc = tl.arange(0, DP)
     hc = tl.arange(0, HALF_DP)
     # 4 accumulators (else 2, value_plane_bytes); 2: the codes decoded in place, each at its own unit (code_unit)
-    PLANE_WORDS: tl.constexpr = ((2 if VALUE_PTX == 3 else 1) if BLOCK_M <= 32 else 0) if VALUE_PLANES else 0
+    PLANE_WORDS: tl.constexpr = ((2 if PLANES_IN_PLACE else 1) if BLOCK_M <= 32 else 0) if VALUE_PLANES else 0
     VALUE_COLS_P: tl.constexpr = QUARTER_DP if (VALUE_WORDS or PLANE_WORDS) else HALF_DP  # columns of each value accumulator
     vcol = tl.arange(0, VALUE_COLS_P)
     VALUE_COLS: tl.constexpr = D // 4 if (VALUE_WORDS or PLANE_WORDS) else D // 2  # real ones

@@ -265,13 +265,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the plane codes decoded in place (value_nibbles.PLANE_SCALED_ASM): 3bit+defaults' value decode 307 -> 210
     # instructions per tile (B=16, sm_90a); S=32k (H100) 32/8/128 3bit+defaults B=16 0.5228 -> 0.5116 ms, B=1 0.0536 -> 0.0526, plain 3bit B=16 0.482 ->
     # 0.466; 8/4/256 B=1 0.1024 -> 0.1009, B=16 0.4946 -> 0.4956 (so not there)
+    # (the interpreter decodes them in place by integer ops when asked, for the tests)
     in_place = bool(_pick(launch.planes_in_place, planes_asm and (d == 128 or not batch_fills_gpu)))
-    if in_place and not planes_asm:
-        raise ValueError("LaunchConfig planes_in_place=True needs value_planes_asm: 3-bit value planes at head_dim 128 "
-                         f"or 256, decode tiles of <= 32 rows, on a GPU; got {cfg.value_bits}-bit values, head_dim {d}, "
-                         f"block_m {block_m}, PTX {ptx}")
-    # (unified._attn_kernel's VALUE_PTX)
-    value_ptx = (3 if in_place else 2) if planes_asm else int(bool((value_words or planes_v) and ptx))
+    if in_place and not (planes_v and block_m <= 32 and (planes_asm or not ptx)):
+        raise ValueError("LaunchConfig planes_in_place=True needs 3-bit value planes (head_dim 128 or 256) in decode "
+                         "tiles of <= 32 rows, decoded from their bytes (value_planes_asm) on a GPU; got "
+                         f"{cfg.value_bits}-bit values, head_dim {d}, block_m {block_m}, value_planes_asm={planes_asm}")
+    value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
     # register before each byte permute. S=32k (H100): B=16 4bit+defaults 0.2298 -> 0.2271 ms, k3v4+defaults 0.3600
     # -> 0.3538, 3bit+defaults (planes from bytes) 0.5279 -> 0.5272; B=1 k3v4 0.0475 -> 0.0472, 3bit 0.0554 -> 0.0551;
@@ -295,7 +295,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
         EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog, RING_SPREAD=ring_spread,
         EXACT_16=exact16, RING_Q8=ring_q8,
-        VALUE_WORDS=value_words, VALUE_PTX=value_ptx, KEY_LUT=words is not None or words3 is not None,
+        VALUE_WORDS=value_words, VALUE_PTX=value_ptx, PLANES_IN_PLACE=in_place, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
         LUT_LO=(lut_words_asm(kbytes[0], pinned) if key_words else lut_asm(words, False, pinned)) if words else (
             (lut3_codes_asm(words3, pinned) if stream3 else lut3_asm(words3, False, pinned)) if words3 else ""),
