@@ -287,6 +287,20 @@ def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
     assert torch.equal(got, converted)
 
 
+def _check_lever_in_interpreter(layout, q_len: int, lever: str, tol: float) -> None:
+    """LaunchConfig(lever=True) on 16-row tiles with an exact prefix and ring, left padding and 3 splits: the
+    reference's attention, and the lever-off output to a relative `tol` (the same inputs both times)."""
+    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
+              **_fidelity_options(layout, 4))
+    outputs = []
+    for launch in (LaunchConfig(**{lever: True}, block_m=16), LaunchConfig(block_m=16)):
+        torch.manual_seed(11)
+        outputs.append(_check(layout, [9, 70, 133], q_len, 4, launch=launch, **kw))
+    (got, want), (base, want_again) = outputs
+    assert torch.equal(want, want_again)
+    assert rel_error(got, base) <= tol, rel_error(got, base)
+
+
 @pytest.mark.parametrize("q_len,head_dim,value_rotation", [(1, 128, True), (8, 128, False), (1, 256, False)])
 def test_value_plane_codes_in_place(q_len, head_dim, value_rotation):
     """planes_in_place: 3-bit value plane codes left where they sit (code a at 4**a its unit), each accumulator
@@ -294,14 +308,7 @@ def test_value_plane_codes_in_place(q_len, head_dim, value_rotation):
     the reference's attention, and the shifted codes' output to 2**-20 (the same sums a power of two apart; a unit
     off by a factor of 4 on one accumulator is far outside it)."""
     layout = make_layout("3bit", 2, head_dim, key_centering=True, value_rotation=value_rotation)
-    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
-              **_fidelity_options(layout, 4))
-    torch.manual_seed(12)
-    got, want = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(planes_in_place=True, block_m=16), **kw)
-    torch.manual_seed(12)
-    base, want_again = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(block_m=16), **kw)
-    assert torch.equal(want, want_again)
-    assert rel_error(got, base) <= 2 ** -20, rel_error(got, base)
+    _check_lever_in_interpreter(layout, q_len, "planes_in_place", 2 ** -20)
 
 
 @pytest.mark.parametrize("preset,q_len,head_dim", [("k3v4", 1, 128), ("3bit", 8, 128), ("k3v4", 1, 256), ("3bit", 8, 256),
@@ -313,14 +320,7 @@ def test_query_rotated_once_for_the_key_planes(preset, q_len, head_dim):
     round the rotated query to fp16 apart: a coordinate's last bit may differ; a block put into the wrong window is
     far outside it)."""
     layout = make_layout(preset, 2, head_dim, key_centering=True, value_rotation=True)
-    kw = dict(prefix_len=4, recent=(16, 0), kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=3,
-              **_fidelity_options(layout, 4))
-    torch.manual_seed(11)
-    got, want = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(query_butterfly=True, block_m=16), **kw)
-    torch.manual_seed(11)
-    base, want_again = _check(layout, [9, 70, 133], q_len, 4, launch=LaunchConfig(block_m=16), **kw)
-    assert torch.equal(want, want_again)
-    assert rel_error(got, base) <= 2 ** -16, rel_error(got, base)
+    _check_lever_in_interpreter(layout, q_len, "query_butterfly", 2 ** -16)
 
 
 def test_query_butterfly_refused_without_key_planes():
