@@ -263,9 +263,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 8 queries 0.0862 -> 0.0829 (with table_registers); the loop 1,476 -> 1,347 instructions (B=16, sm_90a)
     planes_asm = bool(_pick(launch.value_planes_asm, True)) and planes_v and ptx and block_m <= 32  # (plane words)
     # the plane codes decoded in place (value_nibbles.PLANE_SCALED_ASM): 3bit+defaults' value decode 307 -> 210
-    # instructions per tile (B=16, sm_90a); S=32k (H100) 32/8/128 3bit+defaults B=16 0.5228 -> 0.5116 ms, B=1 0.0536 -> 0.0526, plain 3bit B=16 0.482 ->
-    # 0.466; 8/4/256 B=1 0.1024 -> 0.1009, B=16 0.4946 -> 0.4956 (so not there)
-    # (the interpreter decodes them in place by integer ops when asked, for the tests)
+    # instructions per tile (B=16, sm_90a); S=32k (H100) 32/8/128 3bit+defaults B=16 0.5228 -> 0.5116 ms, B=1
+    # 0.0536 -> 0.0526, plain 3bit B=16 0.482 -> 0.466; 8/4/256 B=1 0.1024 -> 0.1009, B=16 0.4946 -> 0.4956 (so not
+    # there). The interpreter decodes them in place by integer ops when asked (for the tests)
     in_place = bool(_pick(launch.planes_in_place, planes_asm and (d == 128 or not batch_fills_gpu)))
     if in_place and not (planes_v and block_m <= 32 and (planes_asm or not ptx)):
         raise ValueError("LaunchConfig planes_in_place=True needs 3-bit value planes (head_dim 128 or 256) in decode "
