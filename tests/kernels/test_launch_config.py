@@ -177,7 +177,7 @@ def test_value_planes_from_bytes_where_measured_faster():
         assert interpreted.constants["VALUE_PTX"] == 0
 
 
-def test_planes_in_place_only_where_the_plane_bytes_asm_runs():
+def test_planes_in_place_where_measured_faster_or_asked():
     """planes_in_place (the plane codes decoded where they sit, value_nibbles.PLANE_SCALED_ASM) is on by default
     where measured faster: head_dim 128 at any batch, 256 while the batch leaves SMs free (at B=16 no faster); off
     when asked and in the interpreter unless asked (there by integer ops, for the tests); asked where the plane codes

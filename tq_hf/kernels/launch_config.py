@@ -36,9 +36,9 @@ class LaunchConfig:
     each window's coordinates rotated apart); at head_dim 256 (3-bit planes or 4-bit keys) two butterflies, then
     H_64 for each quarter (else the windows apart, or H_128 for each half). value_planes_asm: 3-bit value planes
     decoded straight from their loaded bytes by one asm, 4 elements per instance (else each token's 16-bit plane
-    word built by Triton's integer ops first). planes_in_place: value_planes_asm's codes decoded where they sit, code a
-    at 4**a times its unit (one mask each; the accumulators scaled back in the epilogue), else each shifted down to
-    bit 0. table_registers: the codebook key lookups' register-side table words
+    word built by Triton's integer ops first). planes_in_place: 3-bit value plane codes decoded where they sit, code a at
+    4**a times its unit (one mask each; the accumulators scaled back in the epilogue; on a GPU by value_planes_asm's
+    asm, in the interpreter by integer ops), else each shifted down to bit 0. table_registers: the codebook key lookups' register-side table words
     kept in every thread's registers through the walk (key_lut._tables; else ptxas copies them from uniform
     registers before each byte permute). rotation_units: rotation_16bit's operand read as fp16 +-1 entries (Rv x
     sqrt(D); else each program scales and converts fp32 Rv). A field left None takes the plan's default for the
