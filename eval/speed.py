@@ -26,7 +26,7 @@ the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K add
 prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
 prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's (batch 1 only:
 transformers' assisted decoding takes one sequence). --prefill-chunk C prefills every run's prompt in chunks of C
-tokens per row (generate(prefill_chunk_size=C), every cache alike): the decode steps read the same history, and the
+tokens per row (every cache alike, its last token by generate()): the decode steps read the same history, and the
 prompt's activations shrink to a chunk's (at B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP
 activations beside its 16 GiB of KV, more than an 80 GB GPU holds).
 
@@ -209,8 +209,9 @@ def compile_config(device: str):
 def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None, turn2_tokens: int = 0,
             lookup: int = 0, prefill_chunk: int = 0) -> dict:
     """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory;
-    prefill_chunk: generate()'s prefill_chunk_size (0: one forward); with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup, tokens/s of
-    a prompt-lookup generate() over a fresh cache."""
+    prefill_chunk: the prompt but its last token fed in forwards of this many tokens first (0: generate()'s one
+    prefill); with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup,
+    tokens/s of a prompt-lookup generate() over a fresh cache."""
     from transformers import LogitsProcessorList
 
     if cache is None:
@@ -219,7 +220,6 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
     else:
         cache.reset()
         extra = {"compile_config": compile_config(device)} if compile_config(device) is not None else {}
-    chunked = {"prefill_chunk_size": prefill_chunk} if prefill_chunk else {}
     clock = StepClock(device)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -227,9 +227,11 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
     before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
     synchronize(device)
     start = time.perf_counter()
+    if prefill_chunk:
+        prefill_in_chunks(model, cache, prompt[:, :-1], prefill_chunk)
     sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1,
                                do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0,
-                               eos_token_id=None, **common.with_cache(model, cache), **extra, **chunked)
+                               eos_token_id=None, **common.with_cache(model, cache), **extra)
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     result = {
         "prefill_s": clock.stamps[0] - start,
@@ -246,6 +248,17 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
         result["lookup_tokens_per_s"] = lookup_tokens_per_second(model, spec, prompt, new_tokens, lookup, device)
     del cache
     return result
+
+
+def prefill_in_chunks(model, cache, tokens: torch.Tensor, chunk: int) -> None:
+    """Feed `tokens` to `cache` in forwards of `chunk` tokens per row, outside any compiled call: generate()'s own
+    prefill_chunk_size runs its chunks through the compiled forward of a compileable cache, where transformers 5.17's
+    StaticCache allocates its buffers inside the captured graph and fails ("accessing tensor output of CUDAGraphs
+    that has been overwritten")."""
+    for s0 in range(0, tokens.shape[1], chunk):
+        piece = tokens[:, s0:s0 + chunk]
+        model(input_ids=piece, attention_mask=torch.ones_like(tokens[:, :s0 + piece.shape[1]]), past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
 
 
 def next_turn_seconds(model, cache, sequences: torch.Tensor, tokens: int, device: str, extra: dict) -> float:
