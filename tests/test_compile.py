@@ -189,6 +189,24 @@ def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
         torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=prompts(), **with_cache(cache))
 
 
+def test_a_compiled_prefill_reserves_the_decode_scratch(dynamo, monkeypatch):
+    """generate()'s chunked prefill runs compiled: each layer still reserves its decode steps' split scratch there
+    (behind a graph break), so the first captured decode step allocates none. The reference path splits nothing, so
+    the kernels' need is stood in for: 4096 elements."""
+    from tq_hf import ops
+
+    monkeypatch.setattr(ops, "decode_workspace_numel", lambda *args, **kwargs: 4096)
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([5, 9], seed=12)
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=24)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        generate(model, ids, mask, cache, max_new_tokens=3, prefill_chunk_size=4,
+                 compile_config=compile_config(fullgraph=False))
+    assert dynamo["stats"]["unique_graphs"] >= 1  # the prefill chunks did run compiled
+    scratch = [layer.decode_workspace for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+    assert scratch and all(w is not None and w.numel() == 4096 and w.dtype == torch.float32 for w in scratch), scratch
+
+
 # ---- the fixed capacity in eager mode ---------------------------------------------------------------
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_fixed_capacity_equals_the_growing_cache_with_left_padding(preset):
@@ -510,6 +528,28 @@ def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeyp
     for i in range(1, STEPS + 1):
         assert decode[i * per_step:(i + 1) * per_step] == first, f"step {i}: {decode[i * per_step:(i + 1) * per_step]}"
     assert dict(first[1][2])["max_seq_len"] == 64 and dict(first[0][2])["start"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["k8v4", "4bit"])
+def test_gpu_chunked_prefill_then_captured_decode(preset):
+    """generate(prefill_chunk_size=...) compiles the prefill chunks and captures the decode steps (cudagraph trees)
+    with no split scratch allocated before in the process: the same tokens as the eager kernels."""
+    from tq_hf.kernels import workspace
+
+    torch._dynamo.reset()
+    workspace._WORKSPACES.clear()
+    workspace._PARTIALS.clear()
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    ids = prompts(batch=2, length=200).cuda()
+    mask = torch.ones_like(ids)
+    cfg = tq_config(preset=preset)
+    compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=224),
+                        max_new_tokens=8, prefill_chunk_size=64)
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=224),
+                     max_new_tokens=8, prefill_chunk_size=64, disable_compile=True)
+    assert torch.equal(compiled[0], eager[0])
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -178,9 +178,16 @@ def _keep_dense_if_sensitive(step: LayerStep, query: torch.Tensor, key: torch.Te
 
 def _reserve_decode_workspace(layer, query: torch.Tensor, scale: float, sliding_window: int | None,
                               sinks: torch.Tensor | None, softcap: float | None) -> None:
-    """A fixed-capacity layer's split scratch for its decode steps, sized at the (eager) prefill: a captured
-    step then allocates nothing. Kept across batches while it is large enough (a static address)."""
-    if layer.max_cache_len is None or torch.compiler.is_compiling():
+    """A fixed-capacity layer's split scratch for its decode steps, sized at the prefill: a captured step then
+    allocates nothing. Kept across batches while it is large enough (a static address). A prefill inside a compiled
+    region (generate()'s chunked prefill compiles it) reserves it behind a graph break while the layer has none:
+    else the first captured step would allocate the shared scratch in the graph's private pool (cudagraph trees
+    then fail: "tensor(s) in the cudagraph pool not tracked as outputs")."""
+    if layer.max_cache_len is None:
+        return
+    if torch.compiler.is_compiling():
+        if layer.decode_workspace is None:
+            _reserve_decode_workspace_eagerly(layer, query, scale, sliding_window, sinks, softcap)
         return
     need = ops.decode_workspace_numel(query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale,
                                       kv_start=layer.kv_start, sliding_window=sliding_window, sinks=sinks,
@@ -190,6 +197,12 @@ def _reserve_decode_workspace(layer, query: torch.Tensor, scale: float, sliding_
     if need and (have is None or have.numel() < need):
         layer.decode_workspace = torch.empty(need, dtype=torch.float32, device=query.device)
         torch._dynamo.mark_static_address(layer.decode_workspace)
+
+
+@torch.compiler.disable
+def _reserve_decode_workspace_eagerly(layer, query: torch.Tensor, scale: float, sliding_window: int | None,
+                                      sinks: torch.Tensor | None, softcap: float | None) -> None:
+    _reserve_decode_workspace(layer, query, scale, sliding_window, sinks, softcap)
 
 
 def _decode_workspace(layer, query: torch.Tensor) -> dict:
