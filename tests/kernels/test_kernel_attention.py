@@ -16,6 +16,7 @@ from tq_hf import reference
 from tq_hf.layout import value_planes
 from tq_hf.kernels import DeviceTraits, LaunchConfig, plan_attention, unified_attention
 from tq_hf.kernels.device import H200
+from tq_hf.kernels.reduce import reduce_site
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
                             poisoned_exact_buffers, recent_ring, rel_error)
@@ -267,6 +268,33 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_red
            kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
 
 
+@pytest.mark.parametrize("rotation,head_dim,exact,sms,columns", [
+    ("hadamard", 64, True, 1024, True), ("random", 48, True, 1024, True), ("random", 80, False, 1024, True),
+    ("hadamard", 128, True, 4, True), ("random", 80, True, 1024, False)])
+def test_value_rotation_in_the_reduction(rotation, head_dim, exact, sms, columns):
+    """rotate_in_reduce: the merged row rotated back in the reduction, head_dims padded to a power of two, the exact
+    values added apart; reduce_columns: by Rv's columns, shared out over several programs per row where the device
+    has SMs to spare (sms=1024: 2-4 column tiles here) or taken by one program per row (sms=4), else stepping over
+    the rotated coordinates. The reference's attention, and the epilogue's rotation of every split to ~2**-18 in
+    fp32 (a column tile off by one, a split's weight or a column of Rv missing is far outside it)."""
+    layout = make_layout("4bit", 2, head_dim, rotation=rotation, key_centering=True, value_rotation=True)
+    traits = DeviceTraits(num_sms=sms, runs_ptx=False, tuned_for_gpu=False) if DEVICE == "cpu" else None
+    kw = dict(kv_start=torch.tensor([0, 3, 0], device=DEVICE), num_splits=5, **_fidelity_options(layout, 4))
+    if exact:
+        kw.update(prefix_len=4, recent=(16, 0))
+    outputs = []
+    for launch in (LaunchConfig(rotate_in_reduce=True, reduce_columns=columns), LaunchConfig(rotate_in_reduce=False)):
+        torch.manual_seed(5)
+        outputs.append(_check(layout, [9, 70, 133], 1, 4, launch=launch, device_traits=traits, **kw))
+    (got, want), (base, want_again) = outputs
+    assert torch.equal(want, want_again)  # the same inputs
+    assert rel_error(got, base) <= 2 ** -18, rel_error(got, base)
+    dp = 1 << (head_dim - 1).bit_length()
+    site = reduce_site(3, 2, 4, 1, 5, 16, head_dim, dp, 1, True, exact, sms if columns else None)
+    assert site.kwargs["COL_TILES"] == (0 if not columns else dp // 32 if sms == 1024 else 1), site.kwargs
+    assert site.grid[2] == 3 * max(1, site.kwargs["COL_TILES"])
+
+
 @pytest.mark.parametrize("preset,head_dim,split", [("4bit", 64, True), ("4bit", 64, False), ("k8v4", 64, False),
                                                     ("k3v4", 128, True)])
 def test_value_rotation_by_16_bit_dots(preset, head_dim, split):
@@ -341,6 +369,7 @@ def test_head_dim_256_split_decode_with_the_levers(preset):
                           torch.zeros(2, 20, dtype=torch.int32), seq_lens, 0.1, num_splits=3,
                           recent_keys=torch.randn(2, 2, 16, 256), recent_values=torch.randn(2, 2, 16, 256))
     assert plan.constants["ROT_IN_REDUCE"] and plan.partial_width == 2 * 256
+    assert plan.reduce.kwargs["COL_TILES"] == 0  # the stepwise rotation: Rv's columns are opt-in (reduce_columns)
     _check(layout, [70, 133], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, **_fidelity_options(layout, 2))
 
 

@@ -41,8 +41,10 @@ class LaunchConfig:
     asm, in the interpreter by integer ops), else each shifted down to bit 0. table_registers: the codebook key lookups' register-side table words
     kept in every thread's registers through the walk (key_lut._tables; else ptxas copies them from uniform
     registers before each byte permute). rotation_units: rotation_16bit's operand read as fp16 +-1 entries (Rv x
-    sqrt(D); else each program scales and converts fp32 Rv). A field left None takes the plan's default for the
-    shape and device."""
+    sqrt(D); else each program scales and converts fp32 Rv). reduce_columns: under rotate_in_reduce the reduction merges
+    each row's partials first and then multiplies by Rv's columns, shared out over several programs per row where
+    the device has SMs to spare (else one program per row steps over the rotated coordinates, every split's slice
+    each step). A field left None takes the plan's default for the shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -69,6 +71,7 @@ class LaunchConfig:
     planes_in_place: bool | None = None
     table_registers: bool | None = None
     rotation_units: bool | None = None
+    reduce_columns: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

@@ -231,6 +231,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
+    # that rotation by Rv's columns, each row's partials merged first, over several programs per row (reduce.py): at
+    # 8/4/256 B=1 S=32k 4bit+defaults' attention kernel takes 36 of the call's 73 us (H100), the stepwise reduction in
+    # 8 programs most of the rest; the columns' launch compiles to 1,256 instructions per program without spills,
+    # against 3,968 with 1,025 loads (sm_90a). Not timed on a GPU yet: opt-in
+    reduce_columns = rot_in_reduce and bool(_pick(launch.reduce_columns, False))
     # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
     # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
     # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
@@ -311,5 +316,6 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         workspace_numel=workspace_numel, rot=rot, cent=cent, vrot=vrot, s_koff=s_koff, prefix_len=prefix_len,
         recent_size=recent_size, scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
                                           layout.block_bytes, layout.plane_bytes),
-        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles, rot_in_reduce, exact_acc) if split else None,
+        reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles, rot_in_reduce, exact_acc,
+                           sms if reduce_columns else None) if split else None,
     )
