@@ -234,7 +234,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # that rotation by Rv's columns, each row's partials merged first, over several programs per row (reduce.py): at
     # 8/4/256 B=1 S=32k 4bit+defaults' attention kernel takes 36 of the call's 73 us (H100), the stepwise reduction in
     # 8 programs most of the rest; the columns' launch compiles to 1,256 instructions per program without spills,
-    # against 3,968 with 1,025 loads (sm_90a). Not timed on a GPU yet: opt-in
+    # against 3,984 with 1,025 loads (sm_90a). Not timed on a GPU yet: opt-in
     reduce_columns = rot_in_reduce and bool(_pick(launch.reduce_columns, False))
     # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
     # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
