@@ -1,8 +1,10 @@
 """Profile one decode attention launch over the compressed pool (what limits the kernel).
 
-Builds a pool of B rows x S random tokens (the bench's shapes), launches the attention a few
-times, and prints what the compiled kernel uses (registers, spills, shared memory) and the SASS
-instruction mix of its variants. Run it under Nsight Compute to read the hardware counters:
+Builds a pool of B rows x S random tokens (the bench's shapes, with the exact prefix and ring as the cache hands
+them for "+defaults" presets), launches the attention a few times, and prints what the compiled kernel uses
+(registers, spills, shared memory) and the SASS instruction mix of its variants. --kernel-times N: each kernel's
+device time per decode call (the attention and the split reduction), averaged over N calls under torch.profiler,
+beside fp16 SDPA's over dense K/V of the same shapes. Run it under Nsight Compute to read the hardware counters:
 
     ncu --clock-control none --set full -k 'regex:_attn_kernel|_warp_kernel' --launch-skip 2 --launch-count 1 -o r \
         python -m eval.profile_decode --preset 4bit --batch 16 --length 32768 [--launch "{'bt_next': False}"]
@@ -52,6 +54,30 @@ def describe_compiled(kernel) -> None:
                 print(f"  SASS mix unavailable: {exc}")
 
 
+def kernel_times(call, calls: int, device_kind: str = "CUDA") -> dict[str, tuple[float, float]]:
+    """(device us, launches) per call of every kernel (op) that `calls` runs of `call` launch, the longest first:
+    torch.profiler over the runs after 3 warm-up calls. device_kind: the profiler's activity (CUDA; CPU for ops on
+    the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        call()
+    activity = getattr(ProfilerActivity, device_kind)
+    if device_kind == "CUDA":
+        torch.cuda.synchronize()
+    with profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            call()
+        if device_kind == "CUDA":
+            torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.device_type.name == device_kind and event.count:
+            total = event.device_time_total if device_kind == "CUDA" else event.self_cpu_time_total
+            times[event.key] = (total / calls, event.count / calls)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1][0]))
+
+
 def stall_summary(csv_path: str, top: int = 12) -> None:
     """Print Nsight Compute's warp-stall samples of a `--page source --print-source sass --csv` export:
     per stall reason, per opcode (with the executed share) and the instructions that collect the most."""
@@ -97,11 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--launches", type=int, default=4)
     ap.add_argument("--launch", default="{}", help="unified_attention's LaunchConfig fields, a Python dict literal")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page SASS export instead")
+    ap.add_argument("--kernel-times", type=int, default=0, metavar="N",
+                    help="each kernel's device time per call over N profiled calls, beside fp16 SDPA's (0: off)")
     args = ap.parse_args(argv)
     if args.stalls:
         stall_summary(args.stalls)
         return
-    from eval.bench_kernels import _fill_pool, _key_offset, make_config
+    from eval.bench_kernels import _fill_pool, _key_offset, forward_buffers, make_config
     from tq_hf.kernels import LaunchConfig, unified_attention
     from tq_hf.kernels.decode_warps import _warp_kernel
     from tq_hf.kernels.unified import _attn_kernel
@@ -115,11 +143,27 @@ def main(argv: list[str] | None = None) -> None:
     seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
     q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.float16)
     out = torch.empty_like(q)
-    for _ in range(args.launches):
+    extra = forward_buffers(layout, b, 1)  # +defaults: the exact prefix and ring
+
+    def call():
         unified_attention(q, pool, layout, table, seq, 1 / math.sqrt(d), max_seq_len=s, out=out, key_offset=mu,
-                          launch=LaunchConfig(**ast.literal_eval(args.launch)))
+                          launch=LaunchConfig(**ast.literal_eval(args.launch)), **extra)
+
+    for _ in range(args.launches):
+        call()
     torch.cuda.synchronize()
     print(f"{args.preset} B={b} S={s} {hq}/{hk}/{d}: compressed bytes {b * hk * s * layout.config.token_head_bytes(d) / 1e9:.3f} GB")
+    if args.kernel_times:
+        k, v = (torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        sdpa = kernel_times(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                            args.kernel_times)
+        del k, v
+        times = kernel_times(call, args.kernel_times)
+        total, fp16 = sum(t for t, _ in times.values()), sum(t for t, _ in sdpa.values())
+        print(f"device us per call ({args.kernel_times} calls): {total:.1f}, fp16 SDPA {fp16:.1f} "
+              f"({total / fp16:.2f}x)")
+        for name, (us, launches) in times.items():
+            print(f"  {us:8.2f} us  {launches:g}x  {name[:100]}")
     for kernel in (_attn_kernel, _warp_kernel):  # whichever the launcher picked (plain 4bit at large batch: one-warp)
         describe_compiled(kernel)
 

@@ -24,3 +24,25 @@ def test_stall_summary_shares(tmp_path, capsys):
     assert "BAR       75.0% /  10.0%" in out  # predicated LDS counted as LDS
     assert "LDS       25.0% /  30.0%" in out and "LOP3       0.0% /  60.0%" in out
     assert "(27, 'long_sb')" in out
+
+
+def test_kernel_times_per_call():
+    """kernel_times: each op's time and launches divided by the profiled calls, the longest first (on the host's ops:
+    no GPU needed): a call of two matmuls and one add counts two aten::mm and one aten::add per call."""
+    import torch
+
+    from eval.profile_decode import kernel_times
+
+    a = torch.randn(64, 64)
+    calls = []
+
+    def call():
+        calls.append(1)
+        torch.add(torch.mm(a, a), torch.mm(a, a))
+
+    times = kernel_times(call, 5, device_kind="CPU")
+    assert len(calls) == 3 + 5  # the warm-up and the profiled calls
+    assert times["aten::mm"][1] == 2 and times["aten::add"][1] == 1  # launches per call
+    assert times["aten::mm"][0] > 0 and times["aten::add"][0] > 0
+    us = [t for t, _ in times.values()]
+    assert us == sorted(us, reverse=True)
