@@ -54,28 +54,24 @@ def describe_compiled(kernel) -> None:
                 print(f"  SASS mix unavailable: {exc}")
 
 
-def kernel_times(call, calls: int, device_kind: str = "CUDA") -> dict[str, tuple[float, float]]:
-    """(device us, launches) per call of every kernel (op) that `calls` runs of `call` launch, the longest first:
-    torch.profiler over the runs after 3 warm-up calls. device_kind: the profiler's activity (CUDA; CPU for ops on
-    the host)."""
+def kernel_times(call, calls: int) -> dict:
+    """eval.decode_loop.kernel_profile of `calls` runs of `call` (per call: device kernels, their launches and time;
+    the host's ops) under torch.profiler, after 3 warm-up calls."""
     from torch.profiler import ProfilerActivity, profile
 
+    from eval.decode_loop import kernel_profile
+
+    cuda = torch.cuda.is_available()
     for _ in range(3):
         call()
-    activity = getattr(ProfilerActivity, device_kind)
-    if device_kind == "CUDA":
+    if cuda:
         torch.cuda.synchronize()
-    with profile(activities=[activity]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(calls):
             call()
-        if device_kind == "CUDA":
+        if cuda:
             torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        if event.device_type.name == device_kind and event.count:
-            total = event.device_time_total if device_kind == "CUDA" else event.self_cpu_time_total
-            times[event.key] = (total / calls, event.count / calls)
-    return dict(sorted(times.items(), key=lambda kv: -kv[1][0]))
+    return kernel_profile(prof.events(), calls)
 
 
 def stall_summary(csv_path: str, top: int = 12) -> None:
@@ -159,11 +155,11 @@ def main(argv: list[str] | None = None) -> None:
                             args.kernel_times)
         del k, v
         times = kernel_times(call, args.kernel_times)
-        total, fp16 = sum(t for t, _ in times.values()), sum(t for t, _ in sdpa.values())
+        total, fp16 = 1e3 * times["busy_ms_per_step"], 1e3 * sdpa["busy_ms_per_step"]
         print(f"device us per call ({args.kernel_times} calls): {total:.1f}, fp16 SDPA {fp16:.1f} "
               f"({total / fp16:.2f}x)")
-        for name, (us, launches) in times.items():
-            print(f"  {us:8.2f} us  {launches:g}x  {name[:100]}")
+        for kernel in times["top"]:
+            print(f"  {kernel['us_per_call'] * kernel['per_step']:8.2f} us  {kernel['per_step']:g}x  {kernel['kernel']}")
     for kernel in (_attn_kernel, _warp_kernel):  # whichever the launcher picked (plain 4bit at large batch: one-warp)
         describe_compiled(kernel)
 
