@@ -517,12 +517,14 @@ def test_int8_ring_records_decode(preset, options, head_dim, dtype, exact_progra
            kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=LaunchConfig(exact_program=exact_program), **kw)
 
 
-@pytest.mark.parametrize("records,spread,q_len", [(True, False, 1), (False, True, 1), (False, True, 6)])
-def test_ring_tiles_spread_over_the_splits(records, spread, q_len):
+@pytest.mark.parametrize("records,spread,q_len,head_dim", [(True, False, 1, 64), (False, True, 1, 64),
+                                                           (False, True, 6, 64), (True, False, 1, 256)])
+def test_ring_tiles_spread_over_the_splits(records, spread, q_len, head_dim):
     """Split decode with the ring's tiles shared out over the split programs, or walked by one (ring_spread): both
-    the reference's attention, for an exact ring and int8 records (whose default is to share them out), and for a
-    verification forward's 16-row tiles (two per KV head, each with its share of the exact window)."""
-    layout = make_layout("4bit", 2, 64, key_centering=True, value_rotation=True)
+    the reference's attention, for an exact ring and int8 records (whose default is to share them out, except at
+    head_dim 256), and for a verification forward's 16-row tiles (two per KV head, each with its share of the exact
+    window)."""
+    layout = make_layout("4bit", 2, head_dim, key_centering=True, value_rotation=True)
     launch = LaunchConfig(ring_spread=spread, ring_n=16, **({"block_m": 16} if q_len > 1 else {}))
     _check(layout, [3, 37, 90], q_len, 4, dtype=torch.float16, prefix_len=2, recent=(48, 0), ring_records=records,
            num_splits=4, kv_start=torch.tensor([0, 5, 20], device=DEVICE), launch=launch,

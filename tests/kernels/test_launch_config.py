@@ -94,6 +94,21 @@ def test_launch_arguments_of_the_wrong_type_are_refused():
         plan_attention(*args, device_traits="h200")
 
 
+@pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True), ("3bit", True)])
+def test_head_dim_256_ring_tiles_stay_with_the_exact_program(preset, records):
+    """At head_dim 256 an H200's split decode leaves the ring's tiles to the exact program (a 32-token record tile
+    there costs a pool tile's instructions, and the splits that took one outlasted the rest); an override spreads
+    them."""
+    layout = make_layout(preset, 4, 256)
+    ring = torch.zeros((1, 4, 128, 288 if records else 256), dtype=torch.int8 if records else torch.float16)
+    args = _decode_args(layout, 1)
+    for launch, spread in ((None, False), (LaunchConfig(ring_spread=True), True)):
+        plan = plan_attention(*args, max_seq_len=32768, device_traits=H200, recent_keys=ring, recent_values=ring,
+                              launch=launch)
+        assert plan.split and plan.constants["EXACT_PROG"]
+        assert plan.constants["RING_SPREAD"] is spread
+
+
 @pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True)])
 def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
     """An H200's split decode shares the ring's tiles out over its programs: int8 records at every batch (16-token

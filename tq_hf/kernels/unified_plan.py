@@ -224,8 +224,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
     # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
     # ms, at 32k the same; not once the batch fills the GPU: B=16 S=32k 0.248 -> 0.249-0.263; an exact ring under
-    # codebook keys measured mixed, docs/performance.md)
-    spread_default = ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread
+    # codebook keys measured mixed, docs/performance.md). Not at head_dim 256: a 32-token record tile there costs what a 64-token pool tile does (1,206 against 1,225
+    # loop instructions, 4bit+defaults, sm_90a), so the splits that took one outlasted the rest while the exact program
+    # had slack (8/4/256 B=1 S=32k, H100, the attention kernel under torch.profiler: 4bit+defaults 36.0 -> 31.2 us,
+    # k8v4+defaults 42.1 -> 38.9; one run)
+    spread_default = (ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread) and d <= 128
     ring_spread = bool(_pick(launch.ring_spread, decode and spread_default)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
