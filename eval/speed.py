@@ -255,10 +255,11 @@ def prefill_in_chunks(model, cache, tokens: torch.Tensor, chunk: int) -> None:
     prefill_chunk_size runs its chunks through the compiled forward of a compileable cache, where transformers 5.17's
     StaticCache allocates its buffers inside the captured graph and fails ("accessing tensor output of CUDAGraphs
     that has been overwritten")."""
-    for s0 in range(0, tokens.shape[1], chunk):
-        piece = tokens[:, s0:s0 + chunk]
-        model(input_ids=piece, attention_mask=torch.ones_like(tokens[:, :s0 + piece.shape[1]]), past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
+    from eval.chunked import feed_bounds
+
+    for start, end in feed_bounds(tokens.shape[1], str(chunk)):
+        model(input_ids=tokens[:, start:end], attention_mask=torch.ones_like(tokens[:, :end]), use_cache=True,
+              logits_to_keep=1, **common.with_cache(model, cache))
 
 
 def next_turn_seconds(model, cache, sequences: torch.Tensor, tokens: int, device: str, extra: dict) -> float:
