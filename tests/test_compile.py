@@ -207,6 +207,34 @@ def test_a_compiled_prefill_reserves_the_decode_scratch(dynamo, monkeypatch):
     assert scratch and all(w is not None and w.numel() == 4096 and w.dtype == torch.float32 for w in scratch), scratch
 
 
+def test_a_compiled_prefill_allocates_the_exact_layers_outside_the_graph(dynamo, monkeypatch):
+    """generate()'s chunked prefill runs compiled: a dense layer's buffers (transformers' StaticLayer) are still
+    allocated eagerly, behind a graph break, as CUDA graph trees cannot hand a buffer made inside a captured chunk to
+    the next one. Each dense layer initializes once, outside compilation, and the tokens match the eager run."""
+    from transformers.cache_utils import StaticLayer
+
+    seen = []
+    initialize = StaticLayer.lazy_initialization
+
+    def recording(layer, *args, **kwargs):
+        seen.append(torch.compiler.is_compiling())
+        return initialize(layer, *args, **kwargs)
+
+    model = tiny_model("llama")
+    ids, mask, _ = left_padded_batch([5, 9], seed=13)
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=24),
+                     max_new_tokens=3, prefill_chunk_size=4)
+    monkeypatch.setattr(StaticLayer, "lazy_initialization", recording)
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=24)
+    with torch._dynamo.config.patch(error_on_recompile=False):
+        compiled = generate(model, ids, mask, cache, max_new_tokens=3, prefill_chunk_size=4,
+                            compile_config=compile_config(fullgraph=False))
+    assert dynamo["stats"]["unique_graphs"] >= 1  # the prefill chunks did run compiled
+    dense = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
+    assert dense and seen == [False] * len(dense), seen
+    assert torch.equal(compiled[0], eager[0])
+
+
 # ---- the fixed capacity in eager mode ---------------------------------------------------------------
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_fixed_capacity_equals_the_growing_cache_with_left_padding(preset):

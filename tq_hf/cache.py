@@ -955,6 +955,15 @@ def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_sta
     return layer.update(key_states, value_states, dense=dense)
 
 
+@torch.compiler.disable
+def _initialize_eagerly(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """An exact layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
+    prefill): allocated inside, under CUDA graph trees, transformers 5.17's StaticLayer handed the captured chunk a
+    buffer the graph did not own (its next launch failed on an H100: "Pointer argument must be either uint64 or have
+    data_ptr method", a segfault under inductor's static launcher)."""
+    layer.lazy_initialization(key_states, value_states)
+
+
 def _static(t: torch.Tensor, static: bool = True) -> torch.Tensor:
     """Mark a fixed-capacity layer's persistent buffer as having a static address (as StaticLayer does), so CUDA
     graphs of a compiled step read and write it in place; `t` is returned."""
@@ -1167,6 +1176,8 @@ class TurboQuantCache(Cache):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
         if isinstance(layer, ExactStartLayer) and not layer.takes(key_states.shape[2], self._layout, key_states.dtype):
             return self._start_compressing(layer_idx, key_states, value_states)
+        if torch.compiler.is_compiling() and not layer.is_initialized:
+            _initialize_eagerly(layer, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
 
     def get_query_offset(self, layer_idx: int = 0) -> int | torch.Tensor:
