@@ -362,15 +362,18 @@ def test_query_butterfly_refused_without_key_planes():
 @pytest.mark.parametrize("preset", ["4bit", "k8v4"])
 @pytest.mark.slow
 def test_head_dim_256_split_decode_with_the_levers(preset):
-    """head_dim 256 with every lever: the launcher's default there rotates the split partials in the reduction."""
+    """head_dim 256 with every lever: the launcher's default there rotates the split partials in the reduction, by
+    Rv's columns (the stepwise rotation on request gives the same)."""
     layout = make_layout(preset, 2, 256, key_centering=True, value_rotation=True)
     seq_lens = torch.tensor([70, 133])
     plan = plan_attention(torch.randn(2, 4, 1, 256), layout.allocate(40, "cpu"), layout,
                           torch.zeros(2, 20, dtype=torch.int32), seq_lens, 0.1, num_splits=3,
                           recent_keys=torch.randn(2, 2, 16, 256), recent_values=torch.randn(2, 2, 16, 256))
     assert plan.constants["ROT_IN_REDUCE"] and plan.partial_width == 2 * 256
-    assert plan.reduce.kwargs["COL_TILES"] == 0  # the stepwise rotation: Rv's columns are opt-in (reduce_columns)
-    _check(layout, [70, 133], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, **_fidelity_options(layout, 2))
+    assert plan.reduce.kwargs["COL_TILES"] >= 1
+    for launch in (None, LaunchConfig(reduce_columns=False)):
+        _check(layout, [70, 133], 1, 2, prefix_len=4, recent=(16, 0), num_splits=3, launch=launch,
+               **_fidelity_options(layout, 2))
 
 
 @pytest.mark.parametrize("preset", ["4bit", "k3v4"])

@@ -95,18 +95,20 @@ def test_launch_arguments_of_the_wrong_type_are_refused():
 
 
 @pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True), ("3bit", True)])
-def test_head_dim_256_ring_tiles_stay_with_the_exact_program(preset, records):
-    """At head_dim 256 an H200's split decode leaves the ring's tiles to the exact program (a 32-token record tile
-    there costs a pool tile's instructions, and the splits that took one outlasted the rest); an override spreads
-    them."""
-    layout = make_layout(preset, 4, 256)
-    ring = torch.zeros((1, 4, 128, 288 if records else 256), dtype=torch.int8 if records else torch.float16)
-    args = _decode_args(layout, 1)
-    for launch, spread in ((None, False), (LaunchConfig(ring_spread=True), True)):
+@pytest.mark.parametrize("batch,kv_heads,spread_default", [(1, 4, False), (1, 16, True), (4, 4, True)])
+def test_head_dim_256_ring_tiles_spread_from_16_rows(preset, records, batch, kv_heads, spread_default):
+    """At head_dim 256 an H200's split decode shares the ring's tiles out over its programs once 16 (sequence, KV
+    head) rows share the GPU; below, the exact program keeps them (a 32-token record tile there costs a pool tile's
+    instructions, and the splits that took one outlasted the rest). An override decides either way."""
+    layout = make_layout(preset, kv_heads, 256)
+    ring = torch.zeros((batch, kv_heads, 128, 288 if records else 256),
+                       dtype=torch.int8 if records else torch.float16)
+    args = _decode_args(layout, batch)
+    for launch, spread in ((None, spread_default), (LaunchConfig(ring_spread=not spread_default), not spread_default)):
         plan = plan_attention(*args, max_seq_len=32768, device_traits=H200, recent_keys=ring, recent_values=ring,
                               launch=launch)
         assert plan.split and plan.constants["EXACT_PROG"]
-        assert plan.constants["RING_SPREAD"] is spread
+        assert plan.constants["RING_SPREAD"] is spread, (launch, plan.constants["RING_SPREAD"])
 
 
 @pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True)])

@@ -224,21 +224,24 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
     # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
     # ms, at 32k the same; not once the batch fills the GPU: B=16 S=32k 0.248 -> 0.249-0.263; an exact ring under
-    # codebook keys measured mixed, docs/performance.md). Not at head_dim 256: a 32-token record tile there costs what a 64-token pool tile does (1,206 against 1,225
-    # loop instructions, 4bit+defaults, sm_90a), so the splits that took one outlasted the rest while the exact program
-    # had slack (8/4/256 B=1 S=32k, H100, the attention kernel under torch.profiler: 4bit+defaults 36.0 -> 31.2 us,
-    # k8v4+defaults 42.1 -> 38.9; one run)
-    spread_default = (ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread) and d <= 128
+    # codebook keys measured mixed, docs/performance.md). At head_dim 256 once 16 or more (sequence, KV head) rows
+    # share the GPU (S=32k, H100, with the reduction by Rv's columns: 32/16/256 B=1 4bit+defaults 0.1266 -> 0.1065
+    # ms, k3v4 0.1168 -> 0.1043; 8/4/256 B=16 4bit 0.364 -> 0.332, k8v4 0.421 -> 0.386); not below: at 8/4/256 B=1 a
+    # 32-token record tile costs what a 64-token pool tile does (1,206 against 1,225 loop instructions, sm_90a), so
+    # the splits that took one outlasted the rest while the exact program had slack (4bit 0.0470 against 0.0522 ms)
+    spread_default = ((ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread) and d <= 128
+                      or d > 128 and b * hk >= 16)
     ring_spread = bool(_pick(launch.ring_spread, decode and spread_default)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
     # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
-    # that rotation by Rv's columns, each row's partials merged first, over several programs per row (reduce.py): at
-    # 8/4/256 B=1 S=32k 4bit+defaults' attention kernel takes 36 of the call's 73 us (H100), the stepwise reduction in
-    # 8 programs most of the rest; the columns' launch compiles to 1,256 instructions per program without spills,
-    # against 3,984 with 1,025 loads (sm_90a). Not timed on a GPU yet: opt-in
-    reduce_columns = rot_in_reduce and bool(_pick(launch.reduce_columns, False))
+    # that rotation by Rv's columns, each row's partials merged first, over several programs per row (reduce.py),
+    # where one program per row stepped over the rotated coordinates loading every split's slice each step (3,984
+    # instructions with 1,025 loads against 1,256, sm_90a). S=32k (H100): 8/4/256 B=1 4bit+defaults 0.0760 -> 0.0470
+    # ms, k8v4 0.1103 -> 0.0556, k3v4 0.0707 -> 0.0462, 3bit 0.0711 -> 0.0492; 32/16/256 B=1 0.1446 -> 0.1266 (4bit);
+    # B=16 within 1-6% faster
+    reduce_columns = rot_in_reduce and bool(_pick(launch.reduce_columns, True))
     # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
     # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
     # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
