@@ -5,7 +5,9 @@ sm_90a (eval.compile_check); nvdisasm (bundled with Triton) lists the machine co
 tensor-core instructions is the walk over the pool's tiles. Its instructions are counted by class (the program's
 instructions before the first loop and after the last beside them: what a short walk repeats per split), and
 "thread-instructions per byte" = loop instructions x threads / the compressed bytes one loop iteration reads.
-The H200 issues ~33 T thread-instructions/s (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) against ~4.2 TB/s,
+Occupancy: programs per SM as the registers, shared memory and warps allow (sm_90), and the launch's waves =
+programs / (that x 132 SMs): 1.3 waves of equal programs run as two, the second a third full (where the plan adds
+an exact program per KV head, those are short and the figure overstates). The H200 issues ~33 T thread-instructions/s (132 SMs x 4 schedulers x 32 lanes x 1.98 GHz) against ~4.2 TB/s,
 about 8 per byte: a decoder above that is bound by issuing instructions, not by memory.
 
     python -m eval.sass_profile [--presets 4bit k8v4 k3v4 3bit] [--batch 16] [--length 32768] [--shapes 32/8/128]
@@ -39,6 +41,20 @@ CLASSES = [  # (class, opcode pattern), first match wins
     ("conversions", r"I2F|F2F|F2I|I2I|F2FP"), ("MUFU", r"MUFU"), ("SHFL", r"SHFL"), ("BAR", r"BAR"),
     ("SETP/SEL", r"ISETP|FSETP|SEL|FSEL|PLOP3"),
 ]
+
+
+# sm_90 (H100, H200) per SM: 64K registers allocated per warp in 256-register units, 228 KB of shared memory of which
+# each block takes 1 KB for the system, 64 warps, 32 blocks (CUDA's occupancy calculator)
+SM90 = {"registers": 65536, "register_unit": 256, "shared": 233472, "block_shared": 1024, "warps": 64, "blocks": 32,
+        "sms": 132}
+
+
+def programs_per_sm(registers: int, warps: int, shared_bytes: int, sm: dict = SM90) -> int:
+    """Resident programs (CUDA blocks) per SM: the least of what the register file, shared memory, warp slots and
+    block slots allow."""
+    per_warp = -(-registers * 32 // sm["register_unit"]) * sm["register_unit"]
+    return min(sm["registers"] // (per_warp * warps), sm["shared"] // (shared_bytes + sm["block_shared"]),
+               sm["warps"] // warps, sm["blocks"])
 
 
 @dataclass
@@ -168,11 +184,14 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
     heads = kwargs.get("HEADS_PER_PROGRAM", 1)
     tile_bytes = plan.block_n * heads * layout.plane_bytes // layout.block_size
     threads = kwargs.get("num_warps", 4) * 32
+    resident = programs_per_sm(regs, threads // 32, kernel.metadata.shared)
+    programs = plan.grid[0] * plan.grid[1] * plan.grid[2]
     return {"preset": preset, "shape": "/".join(map(str, shape)), "variant": variant, "kernel": fn.__name__, "block_n": plan.block_n, "heads_per_program": heads,
             "warps": threads // 32, "registers": regs, "shared_bytes": kernel.metadata.shared,
             "ring": ("int8 records" if kwargs.get("RING_Q8") else "exact") if kwargs.get("HAS_RECENT") else None,
             "loop_instructions": len(body), "before_loops": before, "after_loops": after, "tile_bytes": tile_bytes,
             "thread_instructions_per_byte": len(body) * threads / tile_bytes if tile_bytes else None,
+            "programs": programs, "programs_per_sm": resident, "waves": programs / (resident * SM90["sms"]),
             "classes": dict(classify(body).most_common())}
 
 
@@ -227,13 +246,14 @@ def markdown(report: dict) -> str:
     lines = [f"# Decode tile loop, sm_{report['arch']} SASS (no GPU)", "", f"Command: `{report['command']}`  ",
              f"Triton {report['triton']}; B={report['batch']}, S={report['length']}; the H200 issues "
              f"~{ISSUE_PER_BYTE:.1f} thread-instructions per byte it streams", "",
-             "| Hq/Hk/D | preset | launch | kernel | BLOCK_N x heads | warps | registers | shared B | loop instr. | "
-             "before / after the loops | bytes per tile | thread-instr. per byte | " + " | ".join(classes) + " |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(classes)]
+             "| Hq/Hk/D | preset | launch | kernel | BLOCK_N x heads | warps | registers | shared B | programs (per SM, "
+             "waves) | loop instr. | before / after the loops | bytes per tile | thread-instr. per byte | "
+             + " | ".join(classes) + " |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(classes)]
     for r in rows:
         per_byte = r["thread_instructions_per_byte"]
         lines.append(f"| {r['shape']} | {r['preset']} | {r.get('variant', 'default')} | {r['kernel']} | {r['block_n']} x {r['heads_per_program']} | {r['warps']} | "
-                     f"{r['registers']} | {r['shared_bytes']} | {r['loop_instructions']} | "
+                     f"{r['registers']} | {r['shared_bytes']} | {_occupancy(r)} | {r['loop_instructions']} | "
                      f"{r.get('before_loops', '-')} / {r.get('after_loops', '-')} | {r['tile_bytes']} | "
                      f"{per_byte:.1f} | " + " | ".join(str(r["classes"].get(c, 0)) for c in classes) + " |")
     if report.get("store"):
@@ -243,6 +263,12 @@ def markdown(report: dict) -> str:
         lines += [f"| {r['shape']} | {r['preset']} | {r['variant']} | {r['instructions']} | {r['barriers']} | {r['hmma']} | "
                   f"{r['registers']} | {r['shared_bytes']} |" for r in report["store"]]
     return "\n".join(lines) + "\n"
+
+
+def _occupancy(row: dict) -> str:
+    if "programs" not in row:
+        return "-"
+    return f"{row['programs']} ({row['programs_per_sm']}, {row['waves']:.2f})"
 
 
 def main(argv: list[str] | None = None) -> dict:

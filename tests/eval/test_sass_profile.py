@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.sass_profile import _tool, classify, markdown, outside_loops, parse_sass, tile_loop
+from eval.sass_profile import _tool, classify, markdown, outside_loops, parse_sass, programs_per_sm, tile_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTING = """
@@ -44,14 +44,29 @@ def test_the_fixed_cost_is_what_lies_outside_every_loop():
     assert outside_loops(*parse_sass(forward)) == (4, 1)  # only the loop at 0x40 is left
 
 
+@pytest.mark.parametrize("registers,warps,shared,resident", [
+    (128, 4, 14336, 4),   # registers: 4 x 16K of the 64K
+    (156, 4, 22528, 3),   # 156 -> 160 per thread (256 per warp): 20,480 per program
+    (168, 4, 26624, 3),
+    (255, 4, 61440, 2),   # 256 per thread: 32K per program
+    (255, 4, 114688, 2),  # shared: 2 x (112 KB + 1 KB) fit in 228 KB
+    (64, 4, 120000, 1),   # shared: one program of 118 KB
+    (32, 8, 0, 8),        # warps: 64 per SM
+    (16, 1, 0, 32),       # blocks: 32 per SM
+])
+def test_programs_per_sm_follow_the_tightest_resource(registers, warps, shared, resident):
+    """sm_90's limits as CUDA's occupancy calculator applies them."""
+    assert programs_per_sm(registers, warps, shared) == resident
+
+
 def test_table_has_a_row_per_shape_and_preset():
     row = {"preset": "4bit", "shape": "32/8/128", "kernel": "_attn_kernel", "block_n": 128, "heads_per_program": 2,
-           "warps": 4, "registers": 239, "shared_bytes": 75776, "loop_instructions": 1404, "before_loops": 1466,
-           "after_loops": 671, "tile_bytes": 34304,
+           "warps": 4, "registers": 239, "shared_bytes": 75776, "programs": 512, "programs_per_sm": 3,
+           "waves": 512 / 396, "loop_instructions": 1404, "before_loops": 1466, "after_loops": 671, "tile_bytes": 34304,
            "thread_instructions_per_byte": 5.24, "classes": {"HMMA": 128, "PRMT": 224}}
     md = markdown({"command": "python -m eval.sass_profile", "triton": "3.6.0", "arch": 90, "batch": 16,
                    "length": 32768, "rows": [row]})
-    assert "| 32/8/128 | 4bit | default | _attn_kernel | 128 x 2 | 4 | 239 | 75776 | 1404 | 1466 / 671 | 34304 | 5.2 |" in md
+    assert "| 32/8/128 | 4bit | default | _attn_kernel | 128 x 2 | 4 | 239 | 75776 | 512 (3, 1.29) | 1404 | 1466 / 671 | 34304 | 5.2 |" in md
     assert "| 128 | 224 |" in md.replace(" 0 |", "")
 
 
@@ -79,3 +94,6 @@ def test_a_real_decode_launch_profiles(tmp_path):
     for row in rows:
         assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0
         assert 0 < row["thread_instructions_per_byte"] < 100
+        # 16 x 8 (or 4 pairs of) KV heads x the splits; the registers and shared memory of the compiled kernel
+        assert row["programs"] % 64 == 0 and 1 <= row["programs_per_sm"] <= 4
+        assert row["waves"] == row["programs"] / (row["programs_per_sm"] * 132)
