@@ -958,9 +958,10 @@ def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_sta
 @torch.compiler.disable
 def _initialize_eagerly(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """An exact layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
-    prefill): allocated inside, under CUDA graph trees, transformers 5.17's StaticLayer handed the captured chunk a
-    buffer the graph did not own (its next launch failed on an H100: "Pointer argument must be either uint64 or have
-    data_ptr method", a segfault under inductor's static launcher)."""
+    prefill, which early-initializes the StaticCache it makes itself for the same reason): allocated inside, under
+    CUDA graph trees, transformers 5.17's StaticLayer handed the captured chunk a buffer the graph did not own (its
+    next launch failed on an H100: "Pointer argument must be either uint64 or have data_ptr method", a segfault
+    under inductor's static launcher)."""
     layer.lazy_initialization(key_states, value_states)
 
 
