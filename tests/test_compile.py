@@ -20,6 +20,7 @@ import torch._dynamo
 from models import assert_close, generate, left_padded_batch, tiny_model, tq_config, with_cache
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
+from transformers.cache_utils import StaticLayer
 
 from tq_hf import PRESETS, TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig, reference
 from tq_hf.cache import TurboQuantLayer
@@ -211,8 +212,6 @@ def test_a_compiled_prefill_allocates_the_exact_layers_outside_the_graph(dynamo,
     """generate()'s chunked prefill runs compiled: a dense layer's buffers (transformers' StaticLayer) are still
     allocated eagerly, behind a graph break, as CUDA graph trees cannot hand a buffer made inside a captured chunk to
     the next one. Each dense layer initializes once, outside compilation, and the tokens match the eager run."""
-    from transformers.cache_utils import StaticLayer
-
     seen = []
     initialize = StaticLayer.lazy_initialization
 
@@ -356,6 +355,33 @@ def test_a_fixed_capacity_is_reused_across_generate_calls_without_reallocating()
     assert torch.equal(again[0], fresh[0])
     assert_close(again[1], fresh[1], atol=ATOL, rtol=1e-5, what="reused cache logits")
     assert all(a is b for a, b in zip(pools, (l.pool for l in cache.layers if isinstance(l, TurboQuantLayer))))
+
+
+def test_a_fixed_capacity_takes_another_batch_size_after_reset():
+    """reset() empties a fixed-capacity cache for a batch of any size: the compressed layers' pools and the dense
+    layer's buffers take the new size (the same tokens as a fresh cache), a batch of the same size keeps the dense
+    buffers (static addresses), and without reset() another batch size is refused."""
+    model = tiny_model("llama")
+    cfg = tq_config()  # the last layer dense
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32)
+    ids, mask, _ = left_padded_batch([5, 8], seed=6)
+    generate(model, ids, mask, cache, max_new_tokens=3)
+    dense = cache.layers[-1]
+    assert isinstance(dense, StaticLayer) and dense.keys.shape[0] == 2
+    buffers = dense.keys.data_ptr()
+    cache.reset()
+    generate(model, ids, mask, cache, max_new_tokens=3)
+    assert dense.keys.data_ptr() == buffers
+    cache.reset()
+    ids, mask, _ = left_padded_batch([9, 4, 7, 6], seed=7)
+    again = generate(model, ids, mask, cache, max_new_tokens=4)
+    fresh = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=32),
+                     max_new_tokens=4)
+    assert cache.layers[-1].keys.shape[0] == 4
+    assert torch.equal(again[0], fresh[0])
+    assert_close(again[1], fresh[1], atol=ATOL, rtol=1e-5, what="logits after a new batch size")
+    with pytest.raises(ValueError, match="batch size changed from 4 to 2 on a non-empty TurboQuantCache; call reset"):
+        generate(model, ids[:2], mask[:2], cache, max_new_tokens=2)
 
 
 def test_overflow_raises_in_eager_and_stops_storing_when_compiled(dynamo):

@@ -958,10 +958,10 @@ def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_sta
 @torch.compiler.disable
 def _initialize_eagerly(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     """An exact layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
-    prefill, which early-initializes the StaticCache it makes itself for the same reason): allocated inside, under
-    CUDA graph trees, transformers 5.17's StaticLayer handed the captured chunk a buffer the graph did not own (its
-    next launch failed on an H100: "Pointer argument must be either uint64 or have data_ptr method", a segfault
-    under inductor's static launcher)."""
+    prefill, which early-initializes the StaticCache it makes itself for the same reason): under tracing the layer
+    cannot mark its buffers as static addresses, and under CUDA graph trees transformers 5.17's StaticLayer handed
+    the captured chunk a buffer the graph did not own (its next launch failed on an H100: "Pointer argument must be
+    either uint64 or have data_ptr method", a segfault under inductor's static launcher)."""
     layer.lazy_initialization(key_states, value_states)
 
 
@@ -1102,6 +1102,7 @@ class TurboQuantCache(Cache):
         ]
         super().__init__(layers=layers)
         self.dense_by_check: list[int] = []  # layers the first prefill's check kept dense (dense_layer_kl)
+        self._reset_static: set[int] = set()  # fixed capacity: dense layers emptied by reset(), buffers kept
         if not any(_compresses(layer) for layer in layers):
             logger.warning_once(f"{self.nothing_compressed()}; it saves no memory over a DynamicCache")
 
@@ -1133,8 +1134,11 @@ class TurboQuantCache(Cache):
     def reset(self) -> None:
         """Empty every layer; compressed layers start the next batch from their exact start again."""
         super().reset()
-        if self.fixed_capacity is not None or self.tq_config.compress_from_tokens == 0:
-            return  # (a fixed-capacity layer keeps its buffers: static addresses of compiled steps)
+        if self.fixed_capacity is not None:  # (its layers keep their buffers: static addresses of compiled steps)
+            self._reset_static = {i for i, layer in enumerate(self.layers) if isinstance(layer, StaticLayer)}
+            return
+        if self.tq_config.compress_from_tokens == 0:
+            return
         for i, layer in enumerate(self.layers):
             if isinstance(layer, TurboQuantLayer):
                 self.layers[i] = self._first_layer(i)
@@ -1171,7 +1175,11 @@ class TurboQuantCache(Cache):
             raise ValueError(f"layer_idx {layer_idx!r} does not exist: this TurboQuantCache has {len(self.layers)} "
                              f"layers (0 to {len(self.layers) - 1}, from the model config it was built with)")
         layer = self.layers[layer_idx]
-        if not torch.compiler.is_compiling() and _rows_held(layer) is None:  # a layer (re)starting a batch:
+        if layer_idx in self._reset_static:  # a dense layer's first update after reset()
+            self._reset_static.discard(layer_idx)
+            if layer.is_initialized and layer.keys.shape[0] != key_states.shape[0]:
+                layer.is_initialized = False  # a batch of another size: buffers of its size, as the pools take
+        if not torch.compiler.is_compiling() and self._rows_held(layer_idx) is None:  # a layer (re)starting a batch:
             self._check_batch_size(layer_idx, key_states.shape[0])  # every layer must hold the same rows
         if isinstance(layer, TurboQuantLayer):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
@@ -1193,13 +1201,18 @@ class TurboQuantCache(Cache):
 
     def _check_batch_size(self, layer_idx: int, rows: int) -> None:
         """Runs on prefill only (an empty layer): one Python pass over the layers."""
-        for i, other in enumerate(self.layers):
-            held = _rows_held(other)
+        for i in range(len(self.layers)):
+            held = self._rows_held(i)
             if i != layer_idx and held is not None and held != rows:
                 raise ValueError(
                     f"layer {layer_idx} got a batch of {rows} rows but layer {i} of this TurboQuantCache holds "
                     f"{held}; every layer must hold the same batch (call reset() to start a new one)"
                 )
+
+    def _rows_held(self, layer_idx: int) -> int | None:
+        """Batch size of a non-empty layer, else None (a dense fixed-capacity layer emptied by reset() holds none,
+        though it keeps its buffers)."""
+        return None if layer_idx in self._reset_static else _rows_held(self.layers[layer_idx])
 
     @property
     def attends_compressed(self) -> bool:
