@@ -208,6 +208,25 @@ def test_a_compiled_prefill_reserves_the_decode_scratch(dynamo, monkeypatch):
     assert scratch and all(w is not None and w.numel() == 4096 and w.dtype == torch.float32 for w in scratch), scratch
 
 
+@pytest.mark.slow
+def test_a_compiled_prefill_sizes_the_decode_scratch_for_a_new_batch(dynamo, monkeypatch):
+    """After reset() a batch of another size gets buffers of its size: its compiled prefill reserves a decode scratch
+    for it too (the kernels' need stood in for: 1024 elements per row)."""
+    from tq_hf import ops
+
+    monkeypatch.setattr(ops, "decode_workspace_numel", lambda query, *args, **kwargs: 1024 * query.shape[0])
+    model = tiny_model("llama")
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=24)
+    for rows in (2, 4):
+        cache.reset()
+        ids, mask, _ = left_padded_batch([5, 9, 7, 6][:rows], seed=12)
+        with torch._dynamo.config.patch(error_on_recompile=False):
+            generate(model, ids, mask, cache, max_new_tokens=2, prefill_chunk_size=4,
+                     compile_config=compile_config(fullgraph=False))
+        scratch = [layer.decode_workspace for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+        assert scratch and all(w is not None and w.numel() == 1024 * rows for w in scratch), (rows, scratch)
+
+
 def test_a_compiled_prefill_allocates_the_exact_layers_outside_the_graph(dynamo, monkeypatch):
     """generate()'s chunked prefill runs compiled: a dense layer's buffers (transformers' StaticLayer) are still
     allocated eagerly, behind a graph break, as CUDA graph trees cannot hand a buffer made inside a captured chunk to

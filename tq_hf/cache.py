@@ -172,7 +172,6 @@ class TurboQuantLayer(CacheLayerMixin):
         self.config_kv_heads = layout.num_kv_heads
         self.max_cache_tokens = max_cache_tokens
         self.replace_with_dense = None  # set by the owning TurboQuantCache: (key, value) -> None
-        self.decode_workspace: torch.Tensor | None = None  # fixed capacity: split scratch of decode steps
         self.max_cache_len = max_cache_len
         self.is_compileable = max_cache_len is not None
         self.launches = ops.HeldLaunches()  # a decode step's kernel plans, kept while the buffers stay the same
@@ -196,6 +195,9 @@ class TurboQuantLayer(CacheLayerMixin):
         self.prefix_values: torch.Tensor | None = None
         self.recent_keys: torch.Tensor | None = None  # [rows, H, W, D] ring of the last W tokens (recent_window)
         self.recent_values: torch.Tensor | None = None
+        # fixed capacity: split scratch of decode steps, sized at each batch's prefill (a compiled one reserves it
+        # while there is none)
+        self.decode_workspace: torch.Tensor | None = None
 
     def _clear(self) -> None:
         if self.max_cache_len is None:  # a fixed-capacity layer keeps its buffers (static addresses) for the next batch
