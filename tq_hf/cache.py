@@ -958,8 +958,8 @@ def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_sta
 
 
 @torch.compiler.disable
-def _initialize_eagerly(layer: CacheLayerMixin, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """An exact layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
+def _initialize_eagerly(layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """A fixed-capacity dense layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
     prefill, which early-initializes the StaticCache it makes itself for the same reason): under tracing the layer
     cannot mark its buffers as static addresses, and under CUDA graph trees transformers 5.17's StaticLayer handed
     the captured chunk a buffer the graph did not own (its next launch failed on an H100: "Pointer argument must be
@@ -1187,7 +1187,7 @@ class TurboQuantCache(Cache):
             return layer.update(key_states, value_states, dense=not self.attends_compressed)
         if isinstance(layer, ExactStartLayer) and not layer.takes(key_states.shape[2], self._layout, key_states.dtype):
             return self._start_compressing(layer_idx, key_states, value_states)
-        if torch.compiler.is_compiling() and not layer.is_initialized:
+        if torch.compiler.is_compiling() and isinstance(layer, StaticLayer) and not layer.is_initialized:
             _initialize_eagerly(layer, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
 
