@@ -1212,9 +1212,14 @@ class TurboQuantCache(Cache):
                 )
 
     def _rows_held(self, layer_idx: int) -> int | None:
-        """Batch size of a non-empty layer, else None (a dense fixed-capacity layer emptied by reset() holds none,
-        though it keeps its buffers)."""
-        return None if layer_idx in self._reset_static else _rows_held(self.layers[layer_idx])
+        """Batch size of a non-empty layer (compressed or dense), else None; no device read (a static layer counts
+        as holding rows once allocated, until reset() empties it: its buffers stay for the next batch)."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, TurboQuantLayer):
+            return layer.rows if layer.length else None
+        if isinstance(layer, StaticLayer):
+            return layer.keys.shape[0] if layer.is_initialized and layer_idx not in self._reset_static else None
+        return layer.keys.shape[0] if layer.get_seq_length() else None
 
     @property
     def attends_compressed(self) -> bool:
@@ -1292,16 +1297,6 @@ def _attn_implementation(config) -> str | None:
         if "_attn_implementation_internal" in stored:
             return stored["_attn_implementation_internal"]
     return getattr(config, "_attn_implementation", None)
-
-
-def _rows_held(layer) -> int | None:
-    """Batch size of a non-empty layer (compressed or dense), else None; no device read (a static layer counts
-    as holding rows once allocated)."""
-    if isinstance(layer, TurboQuantLayer):
-        return layer.rows if layer.length else None
-    if isinstance(layer, StaticLayer):
-        return layer.keys.shape[0] if layer.is_initialized else None
-    return layer.keys.shape[0] if layer.get_seq_length() else None
 
 
 class _CroppableStaticLayer(StaticLayer):
