@@ -603,6 +603,48 @@ def test_compiled_steps_pass_the_kernels_the_same_host_arguments(dynamo, monkeyp
     assert dict(first[1][2])["max_seq_len"] == 64 and dict(first[0][2])["start"] == 0
 
 
+def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monkeypatch):
+    """A compiled forward of several tokens over a non-empty cache (a prefill chunk, a chat's next turn) hands the
+    split kernel scratch of the call's own, the size its plan asks for, never the shared persistent buffer: that
+    one, made inside a forward under cudagraph trees, lands in the graph's pool and outlives it untracked (they
+    refuse that). The CUDA path's launcher recorded on CPU (delegating to the reference)."""
+    import tq_hf.kernels
+    from tq_hf import ops
+
+    seen = []
+
+    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):
+        reference.store(pool, layout, key, value, slots, **kwargs)
+
+    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, held=None, **kwargs):
+        scratch = kwargs.pop("workspace", None)
+        plan = tq_hf.kernels.plan_attention(query, pool, layout, block_table, seq_lens, scale,
+                                            **{k: v for k, v in kwargs.items() if k != "recent_from"})
+        seen.append((query.shape[2], None if scratch is None else scratch.numel(), plan.workspace_numel, plan.split))
+        return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
+    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = prompts(batch=1, length=200)
+    logits, calls = [], []
+    for forward in (torch.compile(model.forward, backend="eager"), model.forward):
+        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=256)
+        model(input_ids=ids[:, :192], use_cache=True, **with_cache(cache))
+        seen.clear()
+        logits.append(forward(input_ids=ids[:, 192:], position_ids=torch.arange(192, 200)[None], use_cache=True,
+                              **with_cache(cache)).logits)
+        calls.append(list(seen))
+    compiled, eager = calls
+    assert compiled and all(lq == 8 and split for lq, _, _, split in compiled), compiled
+    assert all(numel == need for _, numel, need, _ in compiled), compiled  # its own, of the plan's size
+    assert all(numel is None for _, numel, _, _ in eager), eager  # eager: the shared buffer (no allocation a call)
+    assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5, what="compiled chunk vs eager")
+    torch._dynamo.reset()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["k8v4", "4bit"])
 def test_gpu_chunked_prefill_then_captured_decode(preset):

@@ -213,13 +213,21 @@ def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
                         prefix_values: torch.Tensor | None, recent_keys: torch.Tensor | None,
                         recent_values: torch.Tensor | None, recent_from: int,
                         workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
+    """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes).
+
+    Without the caller's scratch (a forward of several tokens, or a layer that keeps none) the split partials go in
+    scratch of this call, not the shared persistent buffer: one made here under cudagraph trees would land in the
+    graph's pool and outlive the call, untracked (they refuse that: "tensor(s) in the cudagraph pool not tracked")."""
     out = _query_major(query)
-    paged_attention(query, pool, _LAYOUTS[layout], block_table, seq_lens, scale, out=out.transpose(1, 2),
-                     kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
-                     max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys,
-                     prefix_values=prefix_values, recent_keys=recent_keys, recent_values=recent_values,
-                     recent_from=recent_from, **({} if workspace is None else {"workspace": workspace}))
+    spec = _LAYOUTS[layout]
+    kwargs = dict(kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+                  max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values,
+                  recent_keys=recent_keys, recent_values=recent_values)
+    if workspace is None:
+        numel = workspace_numel(query, pool, spec, block_table, seq_lens, scale, **kwargs)
+        workspace = query.new_empty(numel, dtype=torch.float32) if numel else None
+    paged_attention(query, pool, spec, block_table, seq_lens, scale, out=out.transpose(1, 2), recent_from=recent_from,
+                    **kwargs, **({} if workspace is None else {"workspace": workspace}))
     return out
 
 
@@ -242,6 +250,18 @@ def _(pool, layout, block_table, key_offset) -> tuple[torch.Tensor, torch.Tensor
     return pool.new_empty(shape, dtype=torch.float32), pool.new_empty(shape, dtype=torch.float32)
 
 
+def workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, **kwargs) -> int:
+    """fp32 elements of split-KV scratch that paged_attention of `query` needs on the kernels (0: none)."""
+    if not use_kernels(pool):
+        return 0
+    from .kernels import plan_attention
+
+    kwargs.pop("recent_from", None)  # a kernel argument, not a plan input
+    plan = plan_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs)
+    return plan.workspace_numel if plan.split else 0
+
+
 def decode_workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, **kwargs) -> int:
     """fp32 elements of split-KV scratch that one-token decode steps of `query`'s rows and heads need (0: none).
@@ -249,13 +269,7 @@ def decode_workspace_numel(query: torch.Tensor, pool: torch.Tensor, layout: Bloc
     A fixed-capacity layer owns such a buffer, made eagerly: a captured decode step must not allocate it (an
     allocation inside CUDA-graph capture lands in the graph's private pool), nor share the global buffer that a
     later, larger plan would replace under an earlier graph."""
-    if not use_kernels(pool):
-        return 0
-    from .kernels import plan_attention
-
-    kwargs.pop("recent_from", None)  # a kernel argument, not a plan input
-    plan = plan_attention(query[:, :, -1:], pool, layout, block_table, seq_lens, scale, **kwargs)
-    return plan.workspace_numel if plan.split else 0
+    return workspace_numel(query[:, :, -1:], pool, layout, block_table, seq_lens, scale, **kwargs)
 
 
 def _exact_kwargs(kwargs: dict) -> dict:

@@ -247,3 +247,45 @@ def test_rotation_units_with_the_16_bit_epilogue():
         assert torch.allclose(off.vrot.double() * math.sqrt(128), default.vrot.double(), rtol=0, atol=1e-6)
         for plan in (off, tf32):
             assert not plan.constants["ROT16_UNITS"] and plan.vrot.dtype == torch.float32
+
+
+@pytest.mark.parametrize("preset,shape,batch,maxnreg", [
+    ("4bit", (32, 8, 64), 16, 128), ("3bit", (32, 8, 64), 16, 128),  # 512 split programs: over 3 x 132
+    ("4bit", (9, 3, 64), 16, 168), ("4bit", (9, 3, 64), 32, 168), ("3bit", (9, 3, 64), 32, None),  # 384: one wave
+    ("4bit", (32, 8, 64), 8, 168), ("k3v4", (32, 8, 64), 16, None),
+])
+def test_head_dim_64_caps_registers_where_the_splits_overflow_a_wave(preset, shape, batch, maxnreg):
+    """At head_dim 64 an H200's split decode of 4-bit code words or 3-bit keys and values (3 programs per SM
+    uncapped) runs in 128 registers (4 per SM) only where its programs overflow one wave of 3 per SM; an override
+    decides."""
+    hq, hk, d = shape
+    layout = make_layout(preset, hk, d)
+    q, *rest = _decode_args(layout, batch)
+    q = torch.randn(batch, hq, 1, d, dtype=torch.float16)
+    plan = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200)
+    assert plan.constants.get("maxnreg") == maxnreg, (plan.grid, plan.constants.get("maxnreg"))
+    forced = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(maxnreg=200))
+    assert forced.constants.get("maxnreg") == 200
+
+
+@pytest.mark.parametrize("shape,batch,block_n", [
+    ((9, 3, 64), 1, 128), ((32, 8, 64), 1, 128), ((9, 3, 64), 4, 256), ((9, 3, 64), 16, 256), ((32, 8, 64), 8, 256),
+    ((32, 8, 64), 16, 128),
+])
+def test_k3v4_head_dim_64_walks_256_token_tiles_from_12_rows_to_a_full_gpu(shape, batch, block_n):
+    """k3v4 at head_dim 64 walks 256-token tiles from 12 (row, KV head) pairs until the batch fills the GPU."""
+    hq, hk, d = shape
+    layout = make_layout("k3v4", hk, d)
+    q, *rest = _decode_args(layout, batch)
+    q = torch.randn(batch, hq, 1, d, dtype=torch.float16)
+    assert plan_attention(q, *rest, max_seq_len=32768, device_traits=H200).block_n == block_n
+
+
+@pytest.mark.parametrize("kv_heads,batch,splits", [(4, 1, 64), (16, 1, 16), (4, 16, 8)])
+def test_fp8_keys_at_head_dim_256_size_a_few_rows_splits_for_2_programs_per_sm(kv_heads, batch, splits):
+    """FP8 keys at head_dim 256 hold 2 programs per SM: up to 16 (row, KV head) pairs the split count fills 2 per
+    SM (64 for 4 pairs, not the 128 sized for 4 per SM); a larger batch keeps 4 (8 splits for 64 pairs)."""
+    layout = make_layout("k8v4", kv_heads, 256)
+    q, *rest = _decode_args(layout, batch)
+    q = torch.randn(batch, 2 * kv_heads, 1, 256, dtype=torch.float16)
+    assert plan_attention(q, *rest, max_seq_len=32768, device_traits=H200).grid[0] == splits

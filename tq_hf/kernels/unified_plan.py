@@ -82,6 +82,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # 0.204 at B=4
             block_m = 16
         block_n = 256 if cfg.key_bits == 4 else 128
+        if words3 and d == 64 and cfg.value_bits == 4 and b * hk > 8 and not batch_fills_gpu:
+            # k3v4 at head_dim 64 from 12 (row, KV head) pairs until the batch fills the GPU: 256-token tiles, more
+            # loads in flight per walk (S=32k, H100: 9/3/64 B=4 0.0513 -> 0.0434 ms, B=16 0.170 -> 0.125; 32/8/64
+            # B=4 0.142 -> 0.113, B=8 0.265 -> 0.209; at B=1 9/3/64, 3 pairs, 6% slower, at B=16 32/8/64 17%)
+            block_n = 256
         if d > 128:  # head_dim 256: 64-token tiles only for a few KV heads with the levers (128 were 5% slower there)
             block_n = 128 if d == 256 and (plain_format or b * hk >= 8) else 64
         if words and d == 128 and (prefix_len or recent_size):
@@ -178,7 +183,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # waves of programs per SM: FP8 keys dequantize cheaply and want more loads in flight; a power of two
         # splits the (power-of-two) tile counts evenly; also once every SM has a program (one per SM left the
         # other program slots idle)
-        waves = 4 if cfg.key_bits == 8 else 3
+        # FP8 keys at head_dim 256 hold 2 programs per SM (248 registers): sized for 4, a few rows' splits took 1.95
+        # waves (S=32k k8v4+defaults, H100: B=1 8/4/256 0.0557 -> 0.0496 ms at half the splits, 32/16/256 0.120 ->
+        # 0.117; at B=16 8/4/256 half the splits were 2% slower)
+        waves = (2 if d > 128 and b * hk <= 16 else 4) if cfg.key_bits == 8 else 3
         if words and num_warps == 2:
             waves *= 2
         # (several row tiles too: a chunk of queries over a long history, which few programs would walk alone)
@@ -186,6 +194,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         num_splits = 1 << (want.bit_length() - 1)
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    if (decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
+            and b * (hk // hp) * m_tiles * num_splits > 3 * sms):
+        # 4-bit code words and 3-bit keys and values at head_dim 64 hold 3 programs per SM (168 / 156 registers): where
+        # the splits' programs overflow one wave of those, 128 registers hold 4, spilling outside the tile loops only
+        # (S=32k, H100: 32/8/64 B=16, 512 programs, 4bit+defaults 0.280 -> 0.204 ms, 3bit+defaults 0.609 -> 0.412;
+        # within one wave the cap lost: 9/3/64 B=16 and B=32, 384 programs, 4bit 0.095 -> 0.107, 0.176 -> 0.186)
+        maxnreg = 128
     split = num_splits > 1
     if split and m_tiles != 1 and hp != 1:
         raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
