@@ -663,8 +663,39 @@ def test_gpu_chunked_prefill_then_captured_decode(preset):
                         max_new_tokens=8, prefill_chunk_size=64)
     eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=224),
                      max_new_tokens=8, prefill_chunk_size=64, disable_compile=True)
-    assert torch.equal(compiled[0], eager[0])
+    # an eager chunk attends its history through a dense copy (kernels.dense_history_serves), a compiled one through
+    # the split kernel: ~1e-3 apart, so tokens agree up to a near tie of the eager top two fp16 logits
+    assert_same_tokens_up_to_a_near_tie(compiled, eager, ids.shape[1], tie=0.1)
     torch._dynamo.reset()
+
+
+def assert_same_tokens_up_to_a_near_tie(got, want, prompt_len: int, tie: float) -> None:
+    """got and want (sequences, logits [steps, B, V]) generate the same tokens, each row until a step where want's
+    top two logits lie within `tie` and got took the other of them; the logits agree before that step."""
+    for row in range(want[0].shape[0]):
+        new, ref = got[0][row, prompt_len:], want[0][row, prompt_len:]
+        differ = (new != ref).nonzero().flatten()
+        steps = int(differ[0]) if differ.numel() else ref.numel()
+        assert_close(got[1][:steps, row], want[1][:steps, row], atol=COMPILED_FP16_ATOL, rtol=2e-2,
+                     what=f"row {row} logits before any difference")
+        if steps < ref.numel():
+            top = want[1][steps, row].float().topk(2)
+            assert float(top.values[0] - top.values[1]) < tie and int(new[steps]) in top.indices.tolist(), (
+                f"row {row} left the reference's tokens at step {steps} without a near tie: {new.tolist()} vs "
+                f"{ref.tolist()}, top two logits {top.values.tolist()} for {top.indices.tolist()}")
+
+
+def test_the_token_comparison_tells_a_near_tie_from_a_divergence():
+    logits = torch.zeros(3, 1, 5)
+    logits[:, 0, 1] = 1.0
+    logits[1, 0, 4] = 0.99  # step 1: a near tie of tokens 1 and 4
+    want = (torch.tensor([[7, 1, 1, 1]]), logits)
+    assert_same_tokens_up_to_a_near_tie((want[0].clone(), logits), want, 1, tie=0.1)
+    assert_same_tokens_up_to_a_near_tie((torch.tensor([[7, 1, 4, 3]]), logits), want, 1, tie=0.1)
+    with pytest.raises(AssertionError, match="step 0 without a near tie"):
+        assert_same_tokens_up_to_a_near_tie((torch.tensor([[7, 3, 1, 1]]), logits), want, 1, tie=0.1)
+    with pytest.raises(AssertionError, match="logits before any difference"):
+        assert_same_tokens_up_to_a_near_tie((torch.tensor([[7, 1, 4, 3]]), logits + 1), want, 1, tie=0.1)
 
 
 @pytest.mark.gpu
