@@ -20,7 +20,8 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     """A persistent fp32 scratch buffer of at least `numel` elements for split partials.
 
     Shared by every layer and step on the device; it grows (never shrinks) to a power of two,
-    so after the first call of a given shape no allocation happens (CUDA-graph friendly).
+    so after the first call of a given shape no allocation happens. Eager calls only: a compiled call without
+    its caller's scratch makes scratch of its own (ops: under cudagraph trees this one would outlive the graph).
     """
     key = str(device)
     buf = _WORKSPACES.get(key)
