@@ -272,8 +272,8 @@ def test_head_dim_64_caps_registers_where_the_splits_overflow_a_wave(preset, sha
     ((9, 3, 64), 1, 128), ((32, 8, 64), 1, 128), ((9, 3, 64), 4, 256), ((9, 3, 64), 16, 256), ((32, 8, 64), 8, 256),
     ((32, 8, 64), 16, 128),
 ])
-def test_k3v4_head_dim_64_walks_256_token_tiles_from_12_rows_to_a_full_gpu(shape, batch, block_n):
-    """k3v4 at head_dim 64 walks 256-token tiles from 12 (row, KV head) pairs until the batch fills the GPU."""
+def test_k3v4_head_dim_64_walks_256_token_tiles_past_8_rows_until_a_full_gpu(shape, batch, block_n):
+    """k3v4 at head_dim 64 walks 256-token tiles past 8 (row, KV head) pairs until the batch fills the GPU."""
     hq, hk, d = shape
     layout = make_layout("k3v4", hk, d)
     q, *rest = _decode_args(layout, batch)

@@ -83,7 +83,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             block_m = 16
         block_n = 256 if cfg.key_bits == 4 else 128
         if words3 and d == 64 and cfg.value_bits == 4 and b * hk > 8 and not batch_fills_gpu:
-            # k3v4 at head_dim 64 from 12 (row, KV head) pairs until the batch fills the GPU: 256-token tiles, more
+            # k3v4 at head_dim 64 past 8 (row, KV head) pairs until the batch fills the GPU: 256-token tiles, more
             # loads in flight per walk (S=32k, H100: 9/3/64 B=4 0.0513 -> 0.0434 ms, B=16 0.170 -> 0.125; 32/8/64
             # B=4 0.142 -> 0.113, B=8 0.265 -> 0.209; at B=1 9/3/64, 3 pairs, 6% slower, at B=16 32/8/64 17%)
             block_n = 256
