@@ -645,6 +645,78 @@ def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monke
     torch._dynamo.reset()
 
 
+def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypatch):
+    """A compiled forward of many queries over unpadded rows takes tq_hf::chunk_attention (tagged cudagraph-unsafe:
+    it reads the rows' length from the device when it runs), so it may attend through the dense copy of the history
+    as an eager forward does; a forward of few queries (a verification forward) keeps tq_hf::paged_attention and the
+    unified kernel. The CUDA path's launchers recorded on CPU (delegating to the reference)."""
+    import tq_hf.kernels
+    from tq_hf import ops
+
+    routes = []
+
+    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):
+        reference.store(pool, layout, key, value, slots, **kwargs)
+
+    def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, held=None, **kwargs):
+        kwargs.pop("workspace", None)
+        routes.append(("unified", query.shape[2], None))
+        return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
+
+    def dense_history_attention(query, pool, layout, block_table, seq_lens, scale, length, out=None, **kwargs):
+        routes.append(("dense", query.shape[2], length))
+        return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(ops, "_dense_route_may_pay", lambda query, pool, layout, kwargs: True)
+    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
+    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
+    monkeypatch.setattr(tq_hf.kernels, "dense_history_attention", dense_history_attention)
+    monkeypatch.setattr(tq_hf.kernels, "dense_history_serves", lambda query, layout, length, **kw: query.shape[2] >= 64)
+    assert torch.Tag.cudagraph_unsafe in torch.ops.tq_hf.chunk_attention.default.tags
+    assert torch.Tag.cudagraph_unsafe not in torch.ops.tq_hf.paged_attention.default.tags
+    torch._dynamo.reset()
+    model = tiny_model("llama")
+    ids = prompts(batch=2, length=180)
+    logits, seen = [], []
+    for forward in (torch.compile(model.forward, backend="eager"), model.forward):
+        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=256)
+        model(input_ids=ids[:, :100], use_cache=True, **with_cache(cache))
+        routes.clear()
+        for lo, hi in ((100, 164), (164, 172), (172, 180)):  # a chunk of 64 queries, then two of 8
+            logits.append(forward(input_ids=ids[:, lo:hi], position_ids=torch.arange(lo, hi)[None].expand(2, -1),
+                                  use_cache=True, **with_cache(cache)).logits)
+        seen.append(list(routes))
+    compressed = sum(isinstance(layer, TurboQuantLayer) for layer in cache.layers)
+    assert seen[0] == [("dense", 64, 164)] * compressed + [("unified", 8, None)] * 2 * compressed, seen[0]
+    assert seen[1] == seen[0]  # the eager forwards' routes, the length read from the host
+    for compiled, eager in zip(logits[:3], logits[3:]):
+        assert_close(compiled, eager, atol=1e-5, rtol=1e-5, what="compiled chunk vs eager")
+    torch._dynamo.reset()
+
+
+def test_only_a_chunk_of_many_queries_over_a_large_capacity_takes_the_chunk_op():
+    """tq_hf::chunk_attention (no CUDA graph) only where the dense route may pay: on the kernels, from
+    CHUNK_MIN_QUERIES queries, and enough query rows x the capacity (history.prefers_dense_route)."""
+    from types import SimpleNamespace
+
+    from tq_hf import ops
+
+    model = tiny_model("llama")
+    cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=64)
+    model(input_ids=prompts(batch=1, length=8), use_cache=True, **with_cache(cache))
+    layout = next(layer for layer in cache.layers if isinstance(layer, TurboQuantLayer)).layout
+    gpu, cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    hq, d = model.config.num_attention_heads, model.config.head_dim
+    chunk, few = torch.empty(1, hq, ops.CHUNK_MIN_QUERIES, d), torch.empty(1, hq, ops.CHUNK_MIN_QUERIES - 1, d)
+    large = {"max_seq_len": 1 << 20}
+    assert ops._dense_route_may_pay(chunk, gpu, layout, large)
+    assert not ops._dense_route_may_pay(few, gpu, layout, large)
+    assert not ops._dense_route_may_pay(chunk, cpu, layout, large)
+    assert not ops._dense_route_may_pay(chunk, gpu, layout, {"max_seq_len": 256})  # too little work
+    assert not ops._dense_route_may_pay(chunk, gpu, layout, {"max_seq_len": None})
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["k8v4", "4bit"])
 def test_gpu_chunked_prefill_then_captured_decode(preset):
@@ -696,6 +768,38 @@ def test_the_token_comparison_tells_a_near_tie_from_a_divergence():
         assert_same_tokens_up_to_a_near_tie((torch.tensor([[7, 3, 1, 1]]), logits), want, 1, tie=0.1)
     with pytest.raises(AssertionError, match="logits before any difference"):
         assert_same_tokens_up_to_a_near_tie((torch.tensor([[7, 1, 4, 3]]), logits + 1), want, 1, tie=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_chunks_attend_through_the_dense_route(monkeypatch):
+    """generate(prefill_chunk_size=...) compiles its chunks; where the dense route pays (its threshold lowered here
+    to the tiny model) a compiled chunk reads its length when it runs and takes that route, as an eager chunk does:
+    the same tokens up to a near tie, and the decode steps still captured."""
+    import tq_hf.kernels
+    from tq_hf.kernels import history
+
+    calls = []
+    dense = tq_hf.kernels.dense_history_attention
+
+    def counted(query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return dense(query, *args, **kwargs)
+
+    monkeypatch.setattr(history, "dense_history_min_work", lambda layout: 0)
+    monkeypatch.setattr(tq_hf.kernels, "dense_history_attention", counted)
+    torch._dynamo.reset()
+    model = tiny_model("llama", dtype=torch.float16, device="cuda")
+    ids = prompts(batch=2, length=200).cuda()
+    mask = torch.ones_like(ids)
+    compiled = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=224),
+                        max_new_tokens=8, prefill_chunk_size=64)
+    assert calls and set(calls) == {64}, calls  # the chunks after the first (the last, of 8, stays on the kernel)
+    calls.clear()
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=224),
+                     max_new_tokens=8, prefill_chunk_size=64, disable_compile=True)
+    assert calls and set(calls) >= {64}, calls
+    assert_same_tokens_up_to_a_near_tie(compiled, eager, ids.shape[1], tie=0.1)
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -96,13 +96,15 @@ def turboquant_attention_forward(
     if out is None:
         out = query.new_empty(b, lq, hq, d)
     view = out.transpose(1, 2)
-    # several queries over unpadded rows: no kv_start, and the common length, for the dense route (ops)
-    dense_ok = lq > 1 and not layer.padded and not torch.compiler.is_compiling()
+    # several queries over unpadded rows: no kv_start, and the common length, for the dense route (ops); under
+    # torch.compile the length lives on the device and the op reads it when it runs (ops.LENGTH_AT_RUN)
+    unpadded = lq > 1 and not layer.padded
+    length = (ops.LENGTH_AT_RUN if torch.compiler.is_compiling() else layer.length) if unpadded else None
     result = ops.paged_attention(
         query, layer.pool, layer.layout, layer.block_table, layer.seq_lens, scale, out=view,
-        kv_start=None if dense_ok else layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
+        kv_start=None if unpadded else layer.kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
         max_seq_len=layer.length if layer.max_cache_len is None else layer.max_cache_len, key_offset=layer.key_offset,
-        **_exact_overlays(layer, window), **_decode_workspace(layer, query), length=layer.length if dense_ok else None,
+        **_exact_overlays(layer, window), **_decode_workspace(layer, query), length=length,
         held=layer.launches if lq == 1 else None,  # a decode step: the layer's plans, held across steps
     )
     return (out if result is view else result.transpose(1, 2)), None  # (traced: the op's new tensor)

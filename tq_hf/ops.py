@@ -5,7 +5,8 @@ attention function) never branch on the device themselves.
 
 Under torch.compile the same operations are the custom ops `tq_hf::store` (mutates the pool, and
 the recent ring and row lengths when given) and `tq_hf::paged_attention` (returns a new tensor),
-with fake implementations, so dynamo traces a decode step as one graph and CUDA graphs capture it.
+with fake implementations, so dynamo traces a decode step as one graph and CUDA graphs capture it;
+`tq_hf::chunk_attention` takes a forward of many queries, reading the rows' length when it runs.
 Eager calls skip the custom-op dispatcher (tens of microseconds per call at B=1) and run the
 implementation directly. custom_op rather than triton_op: the launchers replay compiled kernels
 without Triton's per-call Python (kernels/fast_launch.py), which inductor could not trace anyway;
@@ -52,6 +53,10 @@ def _kernels():
 
 
 _KERNELS = None
+# paged_attention(length=LENGTH_AT_RUN) under torch.compile: the rows hold one common length (no padding), which
+# lives on the device; a forward big enough for the dense route reads it when it runs (tq_hf::chunk_attention)
+LENGTH_AT_RUN = "at run"
+CHUNK_MIN_QUERIES = 64  # fewer (a verification forward) keep the op CUDA graphs capture, and the unified kernel
 
 
 class HeldLaunches:
@@ -129,16 +134,16 @@ def paged_attention(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout
     Under torch.compile the result is a new tensor (`out` is then not written): use the return value.
     held: the caller's HeldLaunches, for a repeated call (eager kernel launches only).
     length: every row's length (a host int) when the rows hold the same count and no padding (kv_start None): a
-    forward of many queries may then attend through a dense copy of the history (kernels.dense_history_serves)."""
+    forward of many queries may then attend through a dense copy of the history (kernels.dense_history_serves).
+    Under torch.compile LENGTH_AT_RUN says the same of a length on the device (seq_lens)."""
     if torch.compiler.is_compiling():
-        kwargs.pop("length", None)
-        return torch.ops.tq_hf.paged_attention(
-            query, pool, layout_index(layout), block_table, seq_lens, float(scale), kwargs.get("kv_start"),
-            kwargs.get("sliding_window"), kwargs.get("sinks"), kwargs.get("softcap"), kwargs.get("max_seq_len"),
-            kwargs.get("key_offset"), kwargs.get("prefix_keys"), kwargs.get("prefix_values"),
-            kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0),
-            kwargs.get("workspace"),
-        ).transpose(1, 2)
+        args = (query, pool, layout_index(layout), block_table, seq_lens, float(scale), kwargs.get("kv_start"),
+                kwargs.get("sliding_window"), kwargs.get("sinks"), kwargs.get("softcap"), kwargs.get("max_seq_len"),
+                kwargs.get("key_offset"), kwargs.get("prefix_keys"), kwargs.get("prefix_values"),
+                kwargs.get("recent_keys"), kwargs.get("recent_values"), kwargs.get("recent_from", 0))
+        if kwargs.get("length") == LENGTH_AT_RUN and _dense_route_may_pay(query, pool, layout, kwargs):
+            return torch.ops.tq_hf.chunk_attention(*args).transpose(1, 2)
+        return torch.ops.tq_hf.paged_attention(*args, kwargs.get("workspace")).transpose(1, 2)
     length = kwargs.pop("length", None)
     if _use_kernels_held(pool, held):
         kernels = _kernels()
@@ -213,28 +218,72 @@ def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
                         prefix_values: torch.Tensor | None, recent_keys: torch.Tensor | None,
                         recent_values: torch.Tensor | None, recent_from: int,
                         workspace: torch.Tensor | None = None) -> torch.Tensor:
-    """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes).
-
-    Without the caller's scratch (a forward of several tokens, or a layer that keeps none) the split partials go in
-    scratch of this call, not the shared persistent buffer: one made here under cudagraph trees would land in the
-    graph's pool and outlive the call, untracked (they refuse that: "tensor(s) in the cudagraph pool not tracked")."""
-    out = _query_major(query)
-    spec = _LAYOUTS[layout]
-    kwargs = dict(kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap,
-                  max_seq_len=max_seq_len, key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values,
-                  recent_keys=recent_keys, recent_values=recent_values)
-    if workspace is None:
-        numel = workspace_numel(query, pool, spec, block_table, seq_lens, scale, **kwargs)
-        workspace = query.new_empty(numel, dtype=torch.float32) if numel else None
-    paged_attention(query, pool, spec, block_table, seq_lens, scale, out=out.transpose(1, 2), recent_from=recent_from,
-                    **kwargs, **({} if workspace is None else {"workspace": workspace}))
-    return out
+    """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
+    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, workspace, None, dict(
+        kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap, max_seq_len=max_seq_len,
+        key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values, recent_keys=recent_keys,
+        recent_values=recent_values))
 
 
 @_paged_attention_op.register_fake
 def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap, max_seq_len,
       key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from, workspace=None) -> torch.Tensor:
     return _query_major(query)
+
+
+# a host read of the rows' length: CUDA graphs cannot capture it, so inductor leaves a graph holding it uncaptured
+@torch.library.custom_op("tq_hf::chunk_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def _chunk_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_table: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float, kv_start: torch.Tensor | None, sliding_window: int | None,
+                        sinks: torch.Tensor | None, softcap: float | None, max_seq_len: int | None,
+                        key_offset: torch.Tensor | None, prefix_keys: torch.Tensor | None,
+                        prefix_values: torch.Tensor | None, recent_keys: torch.Tensor | None,
+                        recent_values: torch.Tensor | None, recent_from: int) -> torch.Tensor:
+    """paged_attention's op for a compiled forward of many queries over unpadded rows (a prefill chunk, a chat's
+    next turn): it reads the rows' common length from seq_lens when it runs, so the forward may attend through
+    a dense copy of the history as an eager one does (kernels.dense_history_serves), where the unified kernel
+    re-decodes the history once per tile of queries. Returns [B, Lq, Hq, D]."""
+    capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # (a capture by hand: no host read)
+    length = None if capturing else int(seq_lens[0])
+    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, None, length, dict(
+        kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap, max_seq_len=max_seq_len,
+        key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values, recent_keys=recent_keys,
+        recent_values=recent_values))
+
+
+@_chunk_attention_op.register_fake
+def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_window, sinks, softcap, max_seq_len,
+      key_offset, prefix_keys, prefix_values, recent_keys, recent_values, recent_from) -> torch.Tensor:
+    return _query_major(query)
+
+
+def _attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, scale: float, recent_from: int, workspace: torch.Tensor | None,
+                  length: int | None, kwargs: dict) -> torch.Tensor:
+    """The attention ops' body: paged_attention into a new [B, Lq, Hq, D].
+
+    Without the caller's scratch (a forward of several tokens, or a layer that keeps none) the unified kernel's
+    split partials go in scratch of this call, not the shared persistent buffer: one made here under cudagraph trees
+    would land in the graph's pool and outlive the call, untracked (they refuse that: "tensor(s) in the cudagraph
+    pool not tracked")."""
+    out = _query_major(query)
+    spec = _LAYOUTS[layout]
+    dense = length is not None and use_kernels(pool) and _kernels().dense_history_serves(query, spec, length, **kwargs)
+    if workspace is None and not dense:
+        numel = workspace_numel(query, pool, spec, block_table, seq_lens, scale, **kwargs)
+        workspace = query.new_empty(numel, dtype=torch.float32) if numel else None
+    paged_attention(query, pool, spec, block_table, seq_lens, scale, out=out.transpose(1, 2), recent_from=recent_from,
+                    length=length, **kwargs, **({} if workspace is None else {"workspace": workspace}))
+    return out
+
+
+def _dense_route_may_pay(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, kwargs: dict) -> bool:
+    """Whether a compiled forward of many queries over unpadded rows takes tq_hf::chunk_attention: on the kernels,
+    from CHUNK_MIN_QUERIES queries, where the dense route would pay over the whole capacity (decided at trace
+    time from shapes; the op decides for the length it reads)."""
+    bound = kwargs.get("max_seq_len")
+    return (pool.is_cuda and query.shape[2] >= CHUNK_MIN_QUERIES and bound is not None
+            and _kernels().prefers_dense_route(query, layout, bound))
 
 
 @torch.library.custom_op("tq_hf::gather", mutates_args=())

@@ -13,10 +13,10 @@ LaunchConfig, StoreLaunchConfig: overrides of the launch heuristics, for benchma
 
 from .attention import HeldAttention, held_signature, plan_attention, unified_attention
 from .dequantize import dequantize
-from .history import dense_history_attention, dense_history_serves
+from .history import dense_history_attention, dense_history_serves, prefers_dense_route
 from .device import DeviceTraits, device_traits
 from .launch_config import LaunchConfig, StoreLaunchConfig
 from .store import HeldStore, store_kv, store_signature
 
-__all__ = ["DeviceTraits", "dense_history_attention", "dense_history_serves", "dequantize", "HeldAttention", "HeldStore", "held_signature", "LaunchConfig", "StoreLaunchConfig", "device_traits",
+__all__ = ["DeviceTraits", "dense_history_attention", "dense_history_serves", "prefers_dense_route", "dequantize", "HeldAttention", "HeldStore", "held_signature", "LaunchConfig", "StoreLaunchConfig", "device_traits",
            "plan_attention", "store_kv", "store_signature", "unified_attention"]
