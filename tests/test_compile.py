@@ -627,22 +627,30 @@ def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monke
     monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
     monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
     torch._dynamo.reset()
-    model = tiny_model("llama")
-    ids = prompts(batch=1, length=200)
-    logits, calls = [], []
-    for forward in (torch.compile(model.forward, backend="eager"), model.forward):
-        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=256)
-        model(input_ids=ids[:, :192], use_cache=True, **with_cache(cache))
-        seen.clear()
-        logits.append(forward(input_ids=ids[:, 192:], position_ids=torch.arange(192, 200)[None], use_cache=True,
-                              **with_cache(cache)).logits)
-        calls.append(list(seen))
-    compiled, eager = calls
+    logits, (compiled, eager), _ = compiled_and_eager_forwards(prompts(batch=1, length=200), 192, [(192, 200)], seen)
     assert compiled and all(lq == 8 and split for lq, _, _, split in compiled), compiled
     assert all(numel == need for _, numel, need, _ in compiled), compiled  # its own, of the plan's size
     assert all(numel is None for _, numel, _, _ in eager), eager  # eager: the shared buffer (no allocation a call)
     assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5, what="compiled chunk vs eager")
     torch._dynamo.reset()
+
+
+def compiled_and_eager_forwards(ids: torch.Tensor, prefix: int, spans: list[tuple[int, int]], record: list):
+    """The tiny llama's first `prefix` tokens prefilled eagerly into a fresh fixed-capacity cache, then each span of
+    ids fed through torch.compile(model.forward) (eager backend), and again through the eager forward: (the logits
+    of each span, compiled ones first; `record`'s entries of each run; the cache)."""
+    model = tiny_model("llama")
+    logits, records = [], []
+    for forward in (torch.compile(model.forward, backend="eager"), model.forward):
+        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=256)
+        model(input_ids=ids[:, :prefix], use_cache=True, **with_cache(cache))
+        record.clear()
+        for lo, hi in spans:
+            positions = torch.arange(lo, hi)[None].expand(ids.shape[0], -1)
+            logits.append(forward(input_ids=ids[:, lo:hi], position_ids=positions, use_cache=True,
+                                  **with_cache(cache)).logits)
+        records.append(list(record))
+    return logits, records, cache
 
 
 def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypatch):
@@ -676,17 +684,8 @@ def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypa
     assert torch.Tag.cudagraph_unsafe in torch.ops.tq_hf.chunk_attention.default.tags
     assert torch.Tag.cudagraph_unsafe not in torch.ops.tq_hf.paged_attention.default.tags
     torch._dynamo.reset()
-    model = tiny_model("llama")
-    ids = prompts(batch=2, length=180)
-    logits, seen = [], []
-    for forward in (torch.compile(model.forward, backend="eager"), model.forward):
-        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=256)
-        model(input_ids=ids[:, :100], use_cache=True, **with_cache(cache))
-        routes.clear()
-        for lo, hi in ((100, 164), (164, 172), (172, 180)):  # a chunk of 64 queries, then two of 8
-            logits.append(forward(input_ids=ids[:, lo:hi], position_ids=torch.arange(lo, hi)[None].expand(2, -1),
-                                  use_cache=True, **with_cache(cache)).logits)
-        seen.append(list(routes))
+    spans = [(100, 164), (164, 172), (172, 180)]  # a chunk of 64 queries, then two of 8
+    logits, seen, cache = compiled_and_eager_forwards(prompts(batch=2, length=180), 100, spans, routes)
     compressed = sum(isinstance(layer, TurboQuantLayer) for layer in cache.layers)
     assert seen[0] == [("dense", 64, 164)] * compressed + [("unified", 8, None)] * 2 * compressed, seen[0]
     assert seen[1] == seen[0]  # the eager forwards' routes, the length read from the host

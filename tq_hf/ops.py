@@ -219,10 +219,7 @@ def _paged_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
                         recent_values: torch.Tensor | None, recent_from: int,
                         workspace: torch.Tensor | None = None) -> torch.Tensor:
     """Returns [B, Lq, Hq, D] (the layout a model's output projection reads; the caller transposes)."""
-    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, workspace, None, dict(
-        kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap, max_seq_len=max_seq_len,
-        key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values, recent_keys=recent_keys,
-        recent_values=recent_values))
+    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, workspace, None, locals())
 
 
 @_paged_attention_op.register_fake
@@ -245,10 +242,7 @@ def _chunk_attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, bl
     re-decodes the history once per tile of queries. Returns [B, Lq, Hq, D]."""
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()  # (a capture by hand: no host read)
     length = None if capturing else int(seq_lens[0])
-    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, None, length, dict(
-        kv_start=kv_start, sliding_window=sliding_window, sinks=sinks, softcap=softcap, max_seq_len=max_seq_len,
-        key_offset=key_offset, prefix_keys=prefix_keys, prefix_values=prefix_values, recent_keys=recent_keys,
-        recent_values=recent_values))
+    return _attention_op(query, pool, layout, block_table, seq_lens, scale, recent_from, None, length, locals())
 
 
 @_chunk_attention_op.register_fake
@@ -257,10 +251,14 @@ def _(query, pool, layout, block_table, seq_lens, scale, kv_start, sliding_windo
     return _query_major(query)
 
 
+_OP_KEYWORDS = ("kv_start", "sliding_window", "sinks", "softcap", "max_seq_len", "key_offset", "prefix_keys",
+                "prefix_values", "recent_keys", "recent_values")  # the attention ops' arguments paged_attention names
+
+
 def _attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, scale: float, recent_from: int, workspace: torch.Tensor | None,
-                  length: int | None, kwargs: dict) -> torch.Tensor:
-    """The attention ops' body: paged_attention into a new [B, Lq, Hq, D].
+                  length: int | None, arguments: dict) -> torch.Tensor:
+    """The attention ops' body: paged_attention into a new [B, Lq, Hq, D]; `arguments`: the op's own (locals()).
 
     Without the caller's scratch (a forward of several tokens, or a layer that keeps none) the unified kernel's
     split partials go in scratch of this call, not the shared persistent buffer: one made here under cudagraph trees
@@ -268,6 +266,7 @@ def _attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_ta
     pool not tracked")."""
     out = _query_major(query)
     spec = _LAYOUTS[layout]
+    kwargs = {name: arguments[name] for name in _OP_KEYWORDS}
     dense = length is not None and use_kernels(pool) and _kernels().dense_history_serves(query, spec, length, **kwargs)
     if workspace is None and not dense:
         numel = workspace_numel(query, pool, spec, block_table, seq_lens, scale, **kwargs)
