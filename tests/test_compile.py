@@ -734,8 +734,8 @@ def test_gpu_chunked_prefill_then_captured_decode(preset):
                         max_new_tokens=8, prefill_chunk_size=64)
     eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg, max_cache_len=224),
                      max_new_tokens=8, prefill_chunk_size=64, disable_compile=True)
-    # an eager chunk attends its history through a dense copy (kernels.dense_history_serves), a compiled one through
-    # the split kernel: ~1e-3 apart, so tokens agree up to a near tie of the eager top two fp16 logits
+    # a compiled chunk runs the layers through inductor, whose fp16 rounding differs from eager's (and the quantizer
+    # may then pick a neighbouring code): tokens agree up to a near tie of the eager top two logits
     assert_same_tokens_up_to_a_near_tie(compiled, eager, ids.shape[1], tie=0.1)
     torch._dynamo.reset()
 
