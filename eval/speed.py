@@ -28,7 +28,8 @@ prompt made repetitive (its first quarter repeated), reported as tokens/s and it
 transformers' assisted decoding takes one sequence). --prefill-chunk C prefills every run's prompt in chunks of C
 tokens per row (every cache alike, its last token by generate()): the decode steps read the same history, and the
 prompt's activations shrink to a chunk's (at B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP
-activations beside its 16 GiB of KV, more than an 80 GB GPU holds).
+activations beside its 16 GiB of KV, more than an 80 GB GPU holds). --generate-chunks C prefills through
+generate(prefill_chunk_size=C) instead, as a user would: generate() compiles a fixed-capacity cache's chunks.
 
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
@@ -88,6 +89,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time generate(prompt_lookup_num_tokens=K) per point and cache (0: off)")
     p.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill prompts in chunks of this many tokens per row, every cache alike (0: one forward)")
+    p.add_argument("--generate-chunks", type=int, default=0,
+                   help="prefill through generate(prefill_chunk_size=C), which compiles a fixed-capacity cache's "
+                        "chunks (0: off)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
                    help="model dtype (default float16 on GPU, float32 on CPU)")
@@ -107,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("points must be positive BxS pairs, --new-tokens >= 2, --repeats >= 1")
     if args.prefill_chunk < 0:
         p.error(f"--prefill-chunk takes tokens per chunk (0: one prefill), got {args.prefill_chunk}")
+    if args.generate_chunks < 0 or args.generate_chunks and args.prefill_chunk:
+        p.error(f"--generate-chunks takes tokens per chunk (0: off), not with --prefill-chunk; got "
+                f"{args.generate_chunks} and --prefill-chunk {args.prefill_chunk}")
     args.dtype = getattr(torch, args.dtype) if args.dtype else (torch.float16 if args.device != "cpu" else torch.float32)
     return args
 
@@ -207,11 +214,11 @@ def compile_config(device: str):
 
 
 def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cache=None, turn2_tokens: int = 0,
-            lookup: int = 0, prefill_chunk: int = 0) -> dict:
+            lookup: int = 0, prefill_chunk: int = 0, generate_chunks: int = 0) -> dict:
     """One generate() over a fresh cache (or `cache`, reset first); returns prefill s, decode ms/token, memory;
     prefill_chunk: the prompt but its last token fed in forwards of this many tokens first (0: generate()'s one
-    prefill); with turn2_tokens, the time to the first token of a next turn over the same cache; with lookup,
-    tokens/s of a prompt-lookup generate() over a fresh cache."""
+    prefill); generate_chunks: generate()'s own prefill_chunk_size; with turn2_tokens, the time to the first token of
+    a next turn over the same cache; with lookup, tokens/s of a prompt-lookup generate() over a fresh cache."""
     from transformers import LogitsProcessorList
 
     if cache is None:
@@ -231,7 +238,8 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
         prefill_in_chunks(model, cache, prompt[:, :-1], prefill_chunk)
     sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens + 1,
                                do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=0,
-                               eos_token_id=None, **common.with_cache(model, cache), **extra)
+                               eos_token_id=None, **common.with_cache(model, cache), **extra,
+                               **({"prefill_chunk_size": generate_chunks} if generate_chunks else {}))
     gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
     result = {
         "prefill_s": clock.stamps[0] - start,
@@ -308,7 +316,8 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     # prompt lookup builds caches of its own size (timed for the growing caches only); transformers' assisted
     # decoding takes one sequence
     lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 else args.prompt_lookup
-    extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup, prefill_chunk=args.prefill_chunk)
+    extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup, prefill_chunk=args.prefill_chunk,
+                 generate_chunks=args.generate_chunks)
     with torch.inference_mode():
         for _ in range(args.warmup):
             one_run(model, spec, prompt, args.new_tokens, args.device, cache, **extra)
@@ -428,7 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
                    f"{args.warmup} warm-up run(s) of identical lengths, min over {args.repeats} timed run(s); decode "
                    "ms/token = median step gap (synchronized); peak KV-side = peak allocated minus weights"
                    + (f"; prompts prefilled in chunks of {args.prefill_chunk} tokens per row" if args.prefill_chunk
-                      else "")),
+                      else "")
+                   + (f"; prompts prefilled by generate(prefill_chunk_size={args.generate_chunks})"
+                      if args.generate_chunks else "")),
         "skipped": skipped, "results": [],
     }
 

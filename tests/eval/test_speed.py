@@ -173,3 +173,34 @@ def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypa
             assert row["cache_bytes"] == one[name]["cache_bytes"], name
     with pytest.raises(SystemExit):
         speed.parse_args(["--prefill-chunk", "-1"])
+
+
+def test_generate_chunks_prefill_through_generates_own_chunking(tmp_path, monkeypatch):
+    """--generate-chunks C: generate(prefill_chunk_size=C) takes the whole prompt in forwards of at most C tokens per
+    row (compiled for the fixed-capacity caches), then the decode steps; refused beside --prefill-chunk."""
+    from eval import common
+
+    widths: list[int] = []
+    real_load = common.load_model
+
+    def load_recording(*args, **kwargs):
+        model, tokenizer, desc = real_load(*args, **kwargs)
+        model.register_forward_pre_hook(
+            lambda module, a, kw: widths.append((a[0] if a else kw["input_ids"]).shape[1]), with_kwargs=True)
+        return model, tokenizer, desc
+
+    monkeypatch.setattr(common, "load_model", load_recording)
+    tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
+    out = tmp_path / "chunks"
+    speed.main(["--preset-set", "tiny", "--points", "1x32", "--caches", f"{tq},{tq}+compile", "--generate-chunks",
+                "12", "--out", str(out), "--device", "cpu"])
+    rows = json.loads((out / "results.json").read_text())
+    assert "generate(prefill_chunk_size=12)" in rows["method"]
+    assert {r["cache"] for r in rows["results"]} == {"fp16", tq, f"{tq}+compile"}
+    assert all(r["decode_ms_per_token"] > 0 for r in rows["results"])
+    # 3 caches x a warm-up and a timed run: 32 prompt tokens in forwards of 12, 12 and 8, none wider
+    assert max(widths) == 12 and widths.count(12) == 12 and widths.count(8) == 6, widths
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--generate-chunks", "8", "--prefill-chunk", "8"])
+    with pytest.raises(SystemExit):
+        speed.parse_args(["--generate-chunks", "-1"])
