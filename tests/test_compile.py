@@ -696,7 +696,8 @@ def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypa
 
 def test_only_a_chunk_of_many_queries_over_a_large_capacity_takes_the_chunk_op():
     """tq_hf::chunk_attention (no CUDA graph) only where the dense route may pay: on the kernels, from
-    CHUNK_MIN_QUERIES queries, and enough query rows x the capacity (history.prefers_dense_route)."""
+    CHUNK_MIN_QUERIES queries, without a sliding window, softcap or sinks, and enough query rows x the capacity
+    (history.prefers_dense_route)."""
     from types import SimpleNamespace
 
     from tq_hf import ops
@@ -714,6 +715,8 @@ def test_only_a_chunk_of_many_queries_over_a_large_capacity_takes_the_chunk_op()
     assert not ops._dense_route_may_pay(chunk, cpu, layout, large)
     assert not ops._dense_route_may_pay(chunk, gpu, layout, {"max_seq_len": 256})  # too little work
     assert not ops._dense_route_may_pay(chunk, gpu, layout, {"max_seq_len": None})
+    for lacking in ({"sliding_window": 4096}, {"softcap": 30.0}, {"sinks": torch.zeros(hq)}):
+        assert not ops._dense_route_may_pay(chunk, gpu, layout, {**large, **lacking}), lacking
 
 
 @pytest.mark.gpu

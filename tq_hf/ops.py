@@ -278,10 +278,12 @@ def _attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_ta
 
 def _dense_route_may_pay(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, kwargs: dict) -> bool:
     """Whether a compiled forward of many queries over unpadded rows takes tq_hf::chunk_attention: on the kernels,
-    from CHUNK_MIN_QUERIES queries, where the dense route would pay over the whole capacity (decided at trace
-    time from shapes; the op decides for the length it reads)."""
+    from CHUNK_MIN_QUERIES queries, without the features the dense route lacks (sliding window, sinks, softcap),
+    where it would pay over the whole capacity (decided at trace time from shapes; the op decides for the length it
+    reads)."""
     bound = kwargs.get("max_seq_len")
-    return (pool.is_cuda and query.shape[2] >= CHUNK_MIN_QUERIES and bound is not None
+    lacking = any(kwargs.get(name) is not None for name in ("sliding_window", "sinks", "softcap"))
+    return (pool.is_cuda and query.shape[2] >= CHUNK_MIN_QUERIES and bound is not None and not lacking
             and _kernels().prefers_dense_route(query, layout, bound))
 
 
