@@ -134,14 +134,11 @@ def test_prompt_lookup_skipped_at_batch_above_one(tmp_path):
     assert all(r["decode_ms_per_token"] > 0 and r.get("lookup_tokens_per_s") is None for r in rows)
 
 
-def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypatch):
-    """--prefill-chunk C: no forward of any cache (growing or compiled) sees more than C new tokens per row, the
-    decode steps still run, and the fixed-size caches end holding what one prefill's do (a growing pool's slack
-    depends on the sizes it grew by). The chunks run outside generate(), whose compiled prefill chunks break
-    transformers' own StaticCache on a GPU."""
+def record_forward_widths(monkeypatch) -> list[int]:
+    """The new tokens per row of every forward of the models eval.common loads from now on, in call order."""
     from eval import common
 
-    widths: list[tuple[str, int]] = []
+    widths: list[int] = []
     real_load = common.load_model
 
     def load_recording(*args, **kwargs):
@@ -151,6 +148,15 @@ def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypa
         return model, tokenizer, desc
 
     monkeypatch.setattr(common, "load_model", load_recording)
+    return widths
+
+
+def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypatch):
+    """--prefill-chunk C: no forward of any cache (growing or compiled) sees more than C new tokens per row, the
+    decode steps still run, and the fixed-size caches end holding what one prefill's do (a growing pool's slack
+    depends on the sizes it grew by). The chunks run outside generate(), whose compiled prefill chunks break
+    transformers' own StaticCache on a GPU."""
+    widths = record_forward_widths(monkeypatch)
     tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
     caches = f"fp16+compile,{tq},{tq}+compile"
     runs = {}
@@ -178,18 +184,7 @@ def test_prefill_chunk_feeds_every_cache_the_prompt_in_chunks(tmp_path, monkeypa
 def test_generate_chunks_prefill_through_generates_own_chunking(tmp_path, monkeypatch):
     """--generate-chunks C: generate(prefill_chunk_size=C) takes the whole prompt in forwards of at most C tokens per
     row (compiled for the fixed-capacity caches), then the decode steps; refused beside --prefill-chunk."""
-    from eval import common
-
-    widths: list[int] = []
-    real_load = common.load_model
-
-    def load_recording(*args, **kwargs):
-        model, tokenizer, desc = real_load(*args, **kwargs)
-        model.register_forward_pre_hook(
-            lambda module, a, kw: widths.append((a[0] if a else kw["input_ids"]).shape[1]), with_kwargs=True)
-        return model, tokenizer, desc
-
-    monkeypatch.setattr(common, "load_model", load_recording)
+    widths = record_forward_widths(monkeypatch)
     tq = "4bit-all@recent_window=0@exact_prefix_tokens=0"
     out = tmp_path / "chunks"
     speed.main(["--preset-set", "tiny", "--points", "1x32", "--caches", f"{tq},{tq}+compile", "--generate-chunks",
