@@ -609,12 +609,8 @@ def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monke
     one, made inside a forward under cudagraph trees, lands in the graph's pool and outlives it untracked (they
     refuse that). The CUDA path's launcher recorded on CPU (delegating to the reference)."""
     import tq_hf.kernels
-    from tq_hf import ops
 
     seen = []
-
-    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):
-        reference.store(pool, layout, key, value, slots, **kwargs)
 
     def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, held=None, **kwargs):
         scratch = kwargs.pop("workspace", None)
@@ -623,9 +619,7 @@ def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monke
         seen.append((query.shape[2], None if scratch is None else scratch.numel(), plan.workspace_numel, plan.split))
         return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
 
-    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
-    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
-    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
+    kernels_on_the_reference(monkeypatch, unified_attention)
     torch._dynamo.reset()
     logits, (compiled, eager), _ = compiled_and_eager_forwards(prompts(batch=1, length=200), 192, [(192, 200)], seen)
     assert compiled and all(lq == 8 and split for lq, _, _, split in compiled), compiled
@@ -633,6 +627,20 @@ def test_a_compiled_forward_of_several_tokens_brings_its_own_split_scratch(monke
     assert all(numel is None for _, numel, _, _ in eager), eager  # eager: the shared buffer (no allocation a call)
     assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5, what="compiled chunk vs eager")
     torch._dynamo.reset()
+
+
+def kernels_on_the_reference(monkeypatch, unified_attention) -> None:
+    """The CUDA path on CPU tensors: ops takes the kernels' route, the store kernel stood in for by reference.store,
+    the attention kernel by `unified_attention` (a recorder that delegates to the reference)."""
+    import tq_hf.kernels
+    from tq_hf import ops
+
+    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):
+        reference.store(pool, layout, key, value, slots, **kwargs)
+
+    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
+    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
 
 
 def compiled_and_eager_forwards(ids: torch.Tensor, prefix: int, spans: list[tuple[int, int]], record: list):
@@ -663,9 +671,6 @@ def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypa
 
     routes = []
 
-    def store_kv(pool, layout, key, value, slots, held=None, **kwargs):
-        reference.store(pool, layout, key, value, slots, **kwargs)
-
     def unified_attention(query, pool, layout, block_table, seq_lens, scale, out=None, held=None, **kwargs):
         kwargs.pop("workspace", None)
         routes.append(("unified", query.shape[2], None))
@@ -675,10 +680,8 @@ def test_a_compiled_chunk_of_many_queries_reads_its_length_when_it_runs(monkeypa
         routes.append(("dense", query.shape[2], length))
         return out.copy_(reference.paged_attention(query, pool, layout, block_table, seq_lens, scale, **kwargs))
 
-    monkeypatch.setattr(ops, "use_kernels", lambda t: True)
+    kernels_on_the_reference(monkeypatch, unified_attention)
     monkeypatch.setattr(ops, "_dense_route_may_pay", lambda query, pool, layout, kwargs: True)
-    monkeypatch.setattr(tq_hf.kernels, "store_kv", store_kv)
-    monkeypatch.setattr(tq_hf.kernels, "unified_attention", unified_attention)
     monkeypatch.setattr(tq_hf.kernels, "dense_history_attention", dense_history_attention)
     monkeypatch.setattr(tq_hf.kernels, "dense_history_serves", lambda query, layout, length, **kw: query.shape[2] >= 64)
     assert torch.Tag.cudagraph_unsafe in torch.ops.tq_hf.chunk_attention.default.tags
