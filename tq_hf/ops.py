@@ -271,8 +271,9 @@ def _attention_op(query: torch.Tensor, pool: torch.Tensor, layout: int, block_ta
     if workspace is None and not dense:
         numel = workspace_numel(query, pool, spec, block_table, seq_lens, scale, **kwargs)
         workspace = query.new_empty(numel, dtype=torch.float32) if numel else None
+    scratch = {} if workspace is None else {"workspace": workspace}
     paged_attention(query, pool, spec, block_table, seq_lens, scale, out=out.transpose(1, 2), recent_from=recent_from,
-                    length=length if dense else None, **kwargs, **({} if workspace is None else {"workspace": workspace}))
+                    length=length if dense else None, **kwargs, **scratch)
     return out
 
 
