@@ -58,9 +58,13 @@ def _config(family: str):
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "gpt_oss")
 
 
-def tiny_model(family: str, attn: str = "turboquant", dtype=torch.float32, device="cpu", seed: int = 0):
-    """A tiny random-init causal LM (fp32 by default), in eval mode, deterministic per seed."""
+def tiny_model(family: str, attn: str = "turboquant", dtype=torch.float32, device="cpu", seed: int = 0,
+               layers: int | None = None):
+    """A tiny random-init causal LM (fp32 by default), in eval mode, deterministic per seed; `layers`: another
+    layer count than the 3 (families without layer_types)."""
     config = _config(family)
+    if layers is not None:
+        config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     if family == "gpt_oss":  # sinks init to zero-ish; make them matter

@@ -172,8 +172,9 @@ def test_compiled_steps_keep_the_cache_state_readable(dynamo):
 
 @pytest.mark.slow
 def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
-    """A prefill inside the compiled region (as generate()'s chunked prefill on transformers >= 5.24) takes a graph
-    break for each layer's first update (host logic: padding, means, prefix bound), then decodes as usual."""
+    """generate()'s chunked prefill (compiled on transformers >= 5.24) runs its settling chunks uncompiled, then
+    decodes as usual; a prefill inside a compiled region (a manual loop's) takes a graph break for each layer's
+    first update (host logic: padding, means, prefix bound), which fullgraph refuses."""
     model = tiny_model("llama")
     ids, mask, _ = left_padded_batch([5, 9], seed=10)
     cfg = tq_config()
@@ -190,10 +191,38 @@ def test_a_compiled_prefill_runs_its_first_update_eagerly(dynamo):
         torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=prompts(), **with_cache(cache))
 
 
+def test_generate_compiles_the_chunks_after_the_settling_ones_without_graph_breaks(dynamo):
+    """generate(prefill_chunk_size=...) over a fixed-capacity cache of more layers than dynamo's recompile limit (8):
+    the chunks in which the cache settles state on the host (the batch's first, and those while the key-centering
+    means settle) run uncompiled, the others and the decode steps compile whole. Compiled, a settling chunk broke
+    the graph inside the model's layer loop: dynamo then skipped the model's frame and compiled each layer's frames
+    apart, one per layer index, until the limit. A second generate() after reset() compiles nothing more, and the
+    tokens are the eager ones."""
+    model = tiny_model("llama", layers=10)
+    ids, mask, _ = left_padded_batch([9, 13], seed=4)
+    cfg = tq_config()  # the last layer dense: transformers' StaticLayer allocates its buffers in the eager chunk
+    eager = generate(model, ids, mask, TurboQuantCache(model.config, tq_config=cfg), max_new_tokens=4,
+                     prefill_chunk_size=4)
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=24)
+    with torch._dynamo.config.patch(error_on_recompile=False):  # chunks of 4 and 1 tokens, then the decode step
+        compiled = generate(model, ids, mask, cache, max_new_tokens=4, prefill_chunk_size=4,
+                            compile_config=compile_config(fullgraph=False))
+    assert dict(dynamo["graph_break"]) == {}, f"graph breaks: {dict(dynamo['graph_break'])}"
+    assert 1 <= dynamo["stats"]["unique_graphs"] <= 3, dict(dynamo["stats"])  # not one per layer
+    assert torch.equal(compiled[0], eager[0])
+    assert_close(compiled[1], eager[1], atol=ATOL, rtol=1e-5, what="chunked prefill logits")
+    counters.clear()
+    cache.reset()
+    again = generate(model, ids, mask, cache, max_new_tokens=4, prefill_chunk_size=4,
+                     compile_config=compile_config(fullgraph=False))  # error_on_recompile: the same graphs serve
+    assert dict(dynamo["graph_break"]) == {} and dynamo["stats"]["unique_graphs"] == 0, dict(dynamo["stats"])
+    assert torch.equal(again[0], eager[0])
+
+
 def test_a_compiled_prefill_reserves_the_decode_scratch(dynamo, monkeypatch):
-    """generate()'s chunked prefill runs compiled: each layer still reserves its decode steps' split scratch there
-    (behind a graph break), so the first captured decode step allocates none. The reference path splits nothing, so
-    the kernels' need is stood in for: 4096 elements."""
+    """generate()'s chunked prefill compiles its chunks: each layer still reserves its decode steps' split scratch in
+    the first chunk, which runs uncompiled, so the first captured decode step allocates none. The reference path
+    splits nothing, so the kernels' need is stood in for: 4096 elements."""
     from tq_hf import ops
 
     monkeypatch.setattr(ops, "decode_workspace_numel", lambda *args, **kwargs: 4096)
@@ -228,9 +257,10 @@ def test_a_compiled_prefill_sizes_the_decode_scratch_for_a_new_batch(dynamo, mon
 
 
 def test_a_compiled_prefill_allocates_the_exact_layers_outside_the_graph(dynamo, monkeypatch):
-    """generate()'s chunked prefill runs compiled: a dense layer's buffers (transformers' StaticLayer) are still
-    allocated eagerly, behind a graph break, as CUDA graph trees cannot hand a buffer made inside a captured chunk to
-    the next one. Each dense layer initializes once, outside compilation, and the tokens match the eager run."""
+    """generate()'s chunked prefill compiles its chunks: a dense layer's buffers (transformers' StaticLayer) are still
+    allocated eagerly (in the first chunk, uncompiled; in a manual loop's compiled prefill, behind a graph break), as
+    CUDA graph trees cannot hand a buffer made inside a captured chunk to the next one. Each dense layer initializes
+    once, outside compilation, and the tokens match the eager run."""
     seen = []
     initialize = StaticLayer.lazy_initialization
 
@@ -251,6 +281,11 @@ def test_a_compiled_prefill_allocates_the_exact_layers_outside_the_graph(dynamo,
     dense = [layer for layer in cache.layers if isinstance(layer, StaticLayer)]
     assert dense and seen == [False] * len(dense), seen
     assert torch.equal(compiled[0], eager[0])
+    seen.clear()
+    with torch._dynamo.config.patch(error_on_recompile=False), torch.no_grad():
+        cache = TurboQuantCache(model.config, tq_config=tq_config(), max_cache_len=24)
+        torch.compile(model.forward, backend="eager")(input_ids=ids, attention_mask=mask, **with_cache(cache))
+    assert seen == [False] * len(dense), seen
 
 
 # ---- the fixed capacity in eager mode ---------------------------------------------------------------

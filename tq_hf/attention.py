@@ -182,10 +182,10 @@ def _reserve_decode_workspace(layer, query: torch.Tensor, scale: float, sliding_
                               sinks: torch.Tensor | None, softcap: float | None) -> None:
     """A fixed-capacity layer's split scratch for its decode steps, sized at the prefill: a captured step then
     allocates nothing. Kept across batches of one size (a static address); a batch of another size starts without
-    one (TurboQuantLayer._drop_buffers). A prefill inside a compiled region (generate()'s chunked prefill compiles
-    it) reserves it behind a graph break while the layer has none: else the first captured step would allocate the
-    shared scratch in the graph's private pool (cudagraph trees then fail: "tensor(s) in the cudagraph pool not
-    tracked as outputs")."""
+    one (TurboQuantLayer._drop_buffers). A prefill inside a compiled region (a manual compiled loop's; generate()
+    runs it uncompiled) reserves it behind a graph break while the layer has none: else the first captured step
+    would allocate the shared scratch in the graph's private pool (cudagraph trees then fail: "tensor(s) in the
+    cudagraph pool not tracked as outputs")."""
     if layer.max_cache_len is None:
         return
     if torch.compiler.is_compiling():

@@ -24,7 +24,8 @@ With `max_cache_len` the cache has a fixed capacity, as StaticCache (its uncompr
 StaticLayer / StaticSlidingWindowLayer): it is `is_compileable`, so generate() compiles the decode step
 (CUDA graphs on CUDA), and under torch.compile a decode step reads its positions from the device
 lengths (`seq_lens`) and runs the kernels as the custom ops of ops.py: one graph for every step.
-Prefill stays eager, where the padding, the key-centering means and the exact prefix are settled.
+Prefill stays eager, where the padding, the key-centering means and the exact prefix are settled: generate()'s
+compiled call runs a forward uncompiled while `settles_on_host` says so (its chunks after that compile whole).
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class TurboQuantLayer(CacheLayerMixin):
         # key_centering means still settling: some row has fewer than `recent_window` real tokens (see settle_means)
         self._centering_open = False
         self._max_start = 0  # host bound on every row's first real position (set_padding)
+        self._starts_padded = False  # _max_start > 0, kept apart: a compiled chunk guards on a bool, not on the bound
         self.prefix_fill_until = 0  # host bound: prefix tokens can only arrive at positions below this
         self._prefix_open = False  # length < prefix_fill_until, kept as a flag (a compiled step reads no length)
         self.recent_from = 0  # host int: the ring is valid from max(recent_from, length - W) (crop lowers it)
@@ -264,9 +266,7 @@ class TurboQuantLayer(CacheLayerMixin):
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Compress and store the new tokens; see the module docstring for what is returned."""
         if self.max_cache_len is not None and torch.compiler.is_compiling():
-            new = key_states.shape[2]  # (a one-token step never reads _centering_open: no guard, no recompile)
-            if self._starting or (new > 1 and self._centering_open) or (self.layout.config.key_centering
-                                                                       and self.key_offset is None):
+            if self.settles_on_host(key_states.shape[2]):
                 return _untraced_update(self, key_states, value_states, dense)
             return self._traced_update(key_states, value_states, dense)
         self._starting = False
@@ -336,6 +336,14 @@ class TurboQuantLayer(CacheLayerMixin):
         setattr(key_states, STEP_ATTRIBUTE, LayerStep(self, exact, was_empty or new > 1, start,
                                                       window if new > 1 else None))
         return key_states, value_states
+
+    def settles_on_host(self, new: int) -> bool:
+        """Whether an update of `new` tokens per row settles state on the host, so runs eagerly (behind a graph break
+        when compiled): a batch's first update (padding, means, exact prefix bound), one of several tokens while the
+        key-centering means settle, or one before a centering layer has means."""
+        # (a one-token step never reads _centering_open: a compiled step gets no guard on it, no recompile)
+        return self._starting or (new > 1 and self._centering_open) or (self.layout.config.key_centering
+                                                                       and self.key_offset is None)
 
     def _settled(self, rows: int) -> bool:
         """Whether a one-token step of `rows` rows only stores and attends: the layer holds these rows, and their
@@ -541,7 +549,7 @@ class TurboQuantLayer(CacheLayerMixin):
     @property
     def padded(self) -> bool:
         """Whether some row may start with padding (kv_start holds a nonzero first position; a host bound)."""
-        return self.kv_start is not None and self._max_start > 0
+        return self.kv_start is not None and self._starts_padded
 
     def set_padding(self, kv_start: torch.Tensor | None, contiguous: bool, max_start: int = 0) -> None:
         """Record each row's first real position (None: no padding); non-contiguous padding is sticky.
@@ -551,6 +559,7 @@ class TurboQuantLayer(CacheLayerMixin):
         self.kv_start = None if kv_start is None else kv_start.to(self.device, torch.int32)
         self.needs_full_mask = self.needs_full_mask or not contiguous
         self._max_start = max_start
+        self._starts_padded = max_start > 0
         if self.prefix_keys is not None:
             self.prefix_fill_until = max_start + self.prefix_keys.shape[2]
             self._prefix_open = self.length < self.prefix_fill_until
@@ -951,19 +960,21 @@ class TurboQuantLayer(CacheLayerMixin):
 @torch.compiler.disable
 def _untraced_update(layer: TurboQuantLayer, key_states: torch.Tensor, value_states: torch.Tensor,
                      dense: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first update of a fixed-capacity layer inside a compiled region (a compiled prefill, as generate()'s
-    chunked prefill): eager, behind a graph break, as the padding, the key-centering means and the exact prefix
-    bound need host logic. A decode step never comes here."""
+    """An update that settles host state (TurboQuantLayer.settles_on_host) inside a compiled region, as a manual
+    compiled loop's prefill: eager, behind a graph break, as the padding, the key-centering means and the exact
+    prefix bound need host logic. generate()'s compiled call runs such forwards uncompiled (a break per layer costs
+    a compile per layer: TurboQuantCache.settles_on_host). A decode step never comes here."""
     return layer.update(key_states, value_states, dense=dense)
 
 
 @torch.compiler.disable
 def _initialize_eagerly(layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-    """A fixed-capacity dense layer's buffers allocated outside a compiled region (a compiled prefill, as generate()'s chunked
-    prefill, which early-initializes the StaticCache it makes itself for the same reason): under tracing the layer
-    cannot mark its buffers as static addresses, and under CUDA graph trees transformers 5.17's StaticLayer handed
-    the captured chunk a buffer the graph did not own (its next launch failed on an H100: "Pointer argument must be
-    either uint64 or have data_ptr method", a segfault under inductor's static launcher)."""
+    """A fixed-capacity dense layer's buffers allocated outside a compiled region (a manual loop's compiled prefill;
+    generate()'s compiled call runs that forward uncompiled, and early-initializes the StaticCache it makes itself
+    for the same reason): under tracing the layer cannot mark its buffers as static addresses, and under CUDA graph
+    trees transformers 5.17's StaticLayer handed the captured chunk a buffer the graph did not own (its next launch
+    failed on an H100: "Pointer argument must be either uint64 or have data_ptr method", a segfault under inductor's
+    static launcher)."""
     layer.lazy_initialization(key_states, value_states)
 
 
@@ -1105,6 +1116,7 @@ class TurboQuantCache(Cache):
         super().__init__(layers=layers)
         self.dense_by_check: list[int] = []  # layers the first prefill's check kept dense (dense_layer_kl)
         self._reset_static: set[int] = set()  # fixed capacity: dense layers emptied by reset(), buffers kept
+        self._steps_settled = False  # settles_on_host found nothing to settle since the last reset()
         if not any(_compresses(layer) for layer in layers):
             logger.warning_once(f"{self.nothing_compressed()}; it saves no memory over a DynamicCache")
 
@@ -1136,6 +1148,7 @@ class TurboQuantCache(Cache):
     def reset(self) -> None:
         """Empty every layer; compressed layers start the next batch from their exact start again."""
         super().reset()
+        self._steps_settled = False
         if self.fixed_capacity is not None:  # (its layers keep their buffers: static addresses of compiled steps)
             self._reset_static = {i for i, layer in enumerate(self.layers) if isinstance(layer, StaticLayer)}
             return
@@ -1190,6 +1203,25 @@ class TurboQuantCache(Cache):
         if torch.compiler.is_compiling() and isinstance(layer, StaticLayer) and not layer.is_initialized:
             _initialize_eagerly(layer, key_states, value_states)
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def settles_on_host(self, new_tokens: int) -> bool:
+        """Whether a forward of `new_tokens` tokens per row must run uncompiled: a fixed-capacity layer's update then
+        settles state on the host (TurboQuantLayer.settles_on_host), or a dense layer allocates its buffers. Compiled,
+        every such layer breaks the graph inside the model's layer loop, so dynamo skips the model's frame from then
+        on and compiles each layer's frames apart, one variant per layer index, until its recompile limit (the later
+        chunks then run eagerly). generate()'s compiled call runs such forwards eagerly (generation.py); a manual
+        compiled loop can ask the same."""
+        # (a growing cache is never compiled; a one-token forward settles nothing once a scan found nothing to
+        # settle, until reset(): the scan would cost every decode step ~0.3 us per layer)
+        if self.fixed_capacity is None or (new_tokens == 1 and self._steps_settled):
+            return False
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, TurboQuantLayer) and layer.settles_on_host(new_tokens):
+                return True
+            if isinstance(layer, StaticLayer) and (not layer.is_initialized or i in self._reset_static):
+                return True  # (after reset() a batch of another size allocates anew: TurboQuantCache.update)
+        self._steps_settled = True
+        return False
 
     def get_query_offset(self, layer_idx: int = 0) -> int | torch.Tensor:
         """The new queries' first position, for HF's mask. After compiled steps a fixed-capacity layer's length

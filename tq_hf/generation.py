@@ -3,9 +3,14 @@
 transformers builds the cache of a generate() call from `generation_config.cache_implementation`
 but offers no registry for third-party caches, so importing tq_hf extends the two places that
 decide: the list of valid names (GenerationConfig.validate reads it) and the method that builds
-the cache (`_prepare_cache_for_generation`). Everything else of generate() is untouched. A model
-loaded with `attn_implementation="turboquant"` also gets a TurboQuantCache when the call names no
-cache, since that attention exists to read one.
+the cache (`_prepare_cache_for_generation`). A model loaded with `attn_implementation="turboquant"`
+also gets a TurboQuantCache when the call names no cache, since that attention exists to read one.
+
+generate()'s compiled forward (`get_compiled_call`, which it uses for a compileable cache's decode
+steps and prefill chunks) runs a forward uncompiled where a TurboQuantCache settles state on the host
+(a batch's first chunk, chunks while the key-centering means settle): compiled, that forward broke
+the graph in every layer, and dynamo then compiled each layer apart up to its recompile limit.
+Everything else of generate() is untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import inspect
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
+from transformers.modeling_utils import PreTrainedModel
 
 from .cache import ATTENTION_NAME, TurboQuantCache
 from .config import PRESETS, TurboQuantConfig
@@ -102,3 +108,37 @@ def register_cache_implementation() -> None:
     method = GenerationMixin._prepare_cache_for_generation
     if not getattr(method, "_turboquant", False):
         GenerationMixin._prepare_cache_for_generation = _prepare_cache(method)
+
+
+def _new_tokens(kwargs: dict) -> int:
+    """Tokens per row of a forward's input_ids [B, L] or inputs_embeds [B, L, D] (2, as several, when neither)."""
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    return inputs.shape[1] if inputs is not None and inputs.dim() >= 2 else 2
+
+
+def _eager_while_settling(model, compiled, *args, **kwargs):
+    """The compiled forward, or the model's own where a TurboQuantCache settles state on the host in this forward
+    (TurboQuantCache.settles_on_host): such a forward runs once or a few times per batch, and uncompiled it
+    allocates every persistent buffer outside any CUDA graph."""
+    cache = _user_cache(kwargs)
+    if isinstance(cache, TurboQuantCache) and cache.settles_on_host(_new_tokens(kwargs)):
+        return model(*args, **kwargs)
+    return compiled(*args, **kwargs)
+
+
+def _compiled_call(original):
+    @functools.wraps(original)
+    def get_compiled_call(self, compile_config):
+        return functools.partial(_eager_while_settling, self, original(self, compile_config))
+
+    get_compiled_call._turboquant = True
+    return get_compiled_call
+
+
+def register_compiled_call() -> None:
+    """Make generate()'s compiled forward run a TurboQuantCache's settling forwards eagerly (idempotent)."""
+    method = PreTrainedModel.get_compiled_call
+    if not getattr(method, "_turboquant", False):
+        PreTrainedModel.get_compiled_call = _compiled_call(method)
