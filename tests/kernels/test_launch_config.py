@@ -289,3 +289,19 @@ def test_fp8_keys_at_head_dim_256_size_a_few_rows_splits_for_2_programs_per_sm(k
     q, *rest = _decode_args(layout, batch)
     q = torch.randn(batch, 2 * kv_heads, 1, 256, dtype=torch.float16)
     assert plan_attention(q, *rest, max_seq_len=32768, device_traits=H200).grid[0] == splits
+
+
+@pytest.mark.parametrize("kv_heads,batch,levers,warps,maxnreg", [
+    (16, 1, True, 8, 128), (4, 16, True, 8, 128), (16, 16, True, 8, 128),  # from 16 (row, KV head) pairs
+    (4, 1, True, 4, None), (16, 1, False, 4, None),  # 4 pairs; the plain format (unmeasured)
+])
+def test_fp8_keys_at_head_dim_256_walk_in_8_warps_from_16_rows(kv_heads, batch, levers, warps, maxnreg):
+    """FP8 keys at head_dim 256 with the levers run 8 warps in 128 registers from 16 (row, KV head) pairs (2
+    programs per SM either way, each thread half the tile); an override decides."""
+    layout = make_layout("k8v4", kv_heads, 256, value_rotation=levers, key_centering=levers)
+    q, *rest = _decode_args(layout, batch)
+    q = torch.randn(batch, 2 * kv_heads, 1, 256, dtype=torch.float16)
+    plan = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200)
+    assert (plan.constants["num_warps"], plan.constants.get("maxnreg")) == (warps, maxnreg)
+    forced = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(num_warps=4))
+    assert forced.constants["num_warps"] == 4

@@ -58,6 +58,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     words3 = config_lut3_words(cfg, d) if lut3 and decode and ptx else None
     maxnreg = None
     narrow = False  # 2 warps per program (mid-batch decode of 4-bit codebook keys, plain format)
+    wide = False  # 8 warps per program (FP8 keys at head_dim 256, below)
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     # two KV heads per program: their query rows share one 16-row MMA tile, so the softmax, its reductions and
     # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
@@ -103,6 +104,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             block_n, maxnreg = 128, 128  # the batch fills the GPU: shorter tiles, 4 programs per SM
         elif cfg.key_bits == 8 and d == 128 and on_gpu:
             maxnreg = 128  # FP8 keys: 128 registers at any batch (2 programs per SM uncapped)
+        elif cfg.key_bits == 8 and d == 256 and on_gpu and not plain_format and b * hk >= 16:
+            # FP8 keys at head_dim 256 with the levers, from 16 (row, KV head) pairs: 8 warps in 128 registers, still 2
+            # programs per SM, each thread half the tile (S=32k, H100: 32/16/256 B=1 0.116 -> 0.112 ms, B=16 1.57 ->
+            # 1.47; 8/4/256 B=16 0.390 -> 0.371; the other presets gained <= 2% or lost, 4bit 8/4/256 B=16 8%)
+            wide, maxnreg = True, 128
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes: k3v4 in 128 registers; 3bit's plain format in 168, with the levers uncapped (B=16
             # S=32k: 0.564 ms against 0.583 in 168 and 0.63 in 128, which spilled)
@@ -125,7 +131,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     maxnreg = _pick(launch.maxnreg, maxnreg)
     if maxnreg == NO_REGISTER_CAP:
         maxnreg = None
-    num_warps = _pick(launch.num_warps, 2 if narrow else 4)
+    num_warps = _pick(launch.num_warps, 2 if narrow else 8 if wide else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register): 16-row decode tiles (64-row wgmma tiles
     # computed wrong results; in 32-row tiles, 5-8 queries of a GQA group of 4, the words were 1.6-23x slower than
     # the bytes), and on a GPU only where every warp gets a column tile of its own (D/4 >= 8 x warps; at head_dim
