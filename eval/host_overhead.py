@@ -17,8 +17,13 @@ launch it stands for, so the fp16 figure errs low (the ratio errs against TurboQ
 The compressed pool is reserved for every timed step up front: its geometric growth (an allocation and a prefix copy
 every 1/16 of the capacity) is device work on a GPU but CPU memory traffic here.
 
-Prints a table (us per layer step: the median and the best of --rounds, each with its ratio to the fp16 sdpa row)
+Prints a table (us per layer step: the median and the best of --rounds, each with its ratio to the fp16 sdpa row;
+the device ops of one step: torch ops that are not views, plus Triton launches, each a launch on a GPU's host)
 and writes OUT/results.json and OUT/table.md; --profile prints the top functions of one more round.
+
+--queries Q times forwards of Q new tokens per layer (5-10: a verification forward of speculative decoding, each
+followed by the crop of one token that assisted decoding makes). Their tensor ops do real work on the CPU (the
+ring's W tokens decoded), so there the device-op count is the figure that carries over to a GPU host, not the time.
 
 --generate-layers N adds the whole eager generate() step of a model of N such layers (Llama, hidden size 64, so the
 projections are small), every heavy op stubbed alike for both caches (the projections give zeros, sdpa zeros, the
@@ -40,11 +45,38 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .common import markdown_table, md_header, run_metadata, write_json
 
 DENSE = "fp16 sdpa"  # the comparison row: DynamicCache + transformers' sdpa attention
 HEADS = (32, 8, 128)  # query heads, KV heads, head_dim (Llama-3-8B's)
+
+
+LAUNCHES = [0]  # Triton launches stubbed so far (stubbed_launches counts them)
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts the torch ops that would launch work on a GPU: all but views (ops returning an alias of an input
+    without mutating it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        if not (schema.returns and schema.returns[0].alias_info is not None and not schema.is_mutable):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def device_ops(step) -> int:
+    """Torch ops that are not views, plus Triton launches (under stubbed_launches), of one call of `step`."""
+    before = LAUNCHES[0]
+    with _DeviceOps() as counter:
+        step()
+    return counter.count + LAUNCHES[0] - before
 
 
 @contextlib.contextmanager
@@ -56,7 +88,7 @@ def stubbed_launches():
     cpu = torch.device("cpu")
     patches = [
         (ops, "use_kernels", lambda t: True),
-        (fast_launch.LaunchSite, "__call__", lambda self, *args: None),
+        (fast_launch.LaunchSite, "__call__", lambda self, *args: LAUNCHES.__setitem__(0, LAUNCHES[0] + 1)),
         (attention, "launch_fitting", lambda kernel, grid, args, constants, block_n, stages:
          fast_launch.LaunchSite(None, grid, {})),
     ]
@@ -170,41 +202,47 @@ def _attention_module(heads: tuple[int, int, int]) -> torch.nn.Module:
     return module
 
 
-def _step_over(cache, attention, batch: int, context: int, heads: tuple[int, int, int]):
-    """Prefill `cache` (one layer) with `context` random fp16 tokens; a callable decode step of one new token:
-    cache.update, then `attention` (a transformers attention function)."""
+def _step_over(cache, attention, batch: int, context: int, heads: tuple[int, int, int], queries: int = 1):
+    """Prefill `cache` (one layer) with `context` random fp16 tokens; a callable step of `queries` new tokens (1: a
+    decode step; a few: a verification forward of speculative decoding): cache.update, then `attention` (a
+    transformers attention function; after several tokens, the crop of the last one that assisted decoding makes
+    after every verification, so the steps stay verification forwards over the cache's own history)."""
     hq, hk, d = heads
     cache.update(torch.randn(batch, hk, context, d, dtype=torch.float16),
                  torch.randn(batch, hk, context, d, dtype=torch.float16), 0)
-    q, k, v = (torch.randn(batch, h, 1, d, dtype=torch.float16) for h in (hq, hk, hk))
+    q, k, v = (torch.randn(batch, h, queries, d, dtype=torch.float16) for h in (hq, hk, hk))
     module = _attention_module(heads)
 
     def step():
         keys, values = cache.update(k, v, 0)
         attention(module, q, keys, values, None, scaling=d**-0.5)
+        if queries > 1:
+            cache.crop(-1)
     return step
 
 
-def layer_step(preset: str, batch: int, context: int, heads: tuple[int, int, int] = HEADS, headroom: int = 0):
+def layer_step(preset: str, batch: int, context: int, heads: tuple[int, int, int] = HEADS, headroom: int = 0,
+               queries: int = 1):
     """A one-layer TurboQuantCache of `context` tokens (stored by the reference) and a callable decode step.
     headroom: decode tokens to reserve pool room for now, so the timed steps never grow it."""
     import tq_hf  # noqa: F401  (registers the attention function)
     from tq_hf.attention import turboquant_attention_forward
 
     cache = tq_hf.TurboQuantCache(_model_config(heads, "turboquant"), preset=preset)
-    step = _step_over(cache, turboquant_attention_forward, batch, context, heads)
+    step = _step_over(cache, turboquant_attention_forward, batch, context, heads, queries)
     if headroom:
-        cache.layers[0]._reserve(context + headroom)  # (a harness reaching in: no public way to reserve)
+        cache.layers[0]._reserve(context + headroom * queries)  # (a harness reaching in: no public way to reserve)
     return step
 
 
-def dense_layer_step(batch: int, context: int, heads: tuple[int, int, int] = HEADS):
+def dense_layer_step(batch: int, context: int, heads: tuple[int, int, int] = HEADS, queries: int = 1):
     """The same decode step as transformers runs it with an fp16 DynamicCache and attn_implementation="sdpa"
     (time it under stubbed_dense_ops)."""
     from transformers import DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return _step_over(DynamicCache(config=_model_config(heads, "sdpa")), sdpa_attention_forward, batch, context, heads)
+    return _step_over(DynamicCache(config=_model_config(heads, "sdpa")), sdpa_attention_forward, batch, context, heads,
+                      queries)
 
 
 def time_steps(step, steps: int) -> float:
@@ -222,6 +260,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=4096, help="tokens in the cache before the timed steps")
     ap.add_argument("--steps", type=int, default=2000, help="decode steps per round")
+    ap.add_argument("--queries", type=int, default=1,
+                    help="new tokens per layer step (1: a decode step; 5-10: a verification forward)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="print the top functions of one more round")
     ap.add_argument("--generate-layers", type=int, default=0,
@@ -248,12 +288,13 @@ def write_outputs(out: Path, report: dict) -> str:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", report)
     # the best round too: on a shared machine other work only adds time, so the minimum is the steadier figure
-    table = markdown_table(["preset", "B", "context", "us per layer step (median)", f"x {DENSE}", "best round",
-                            f"best x {DENSE}", "rounds"],
-                           [[r["preset"], r["batch"], r["context"], f"{r['us_per_layer_step']:.1f}",
+    table = markdown_table(["preset", "B", "context", "new tokens", "device ops", "us per layer step (median)",
+                            f"x {DENSE}", "best round", f"best x {DENSE}", "rounds"],
+                           [[r["preset"], r["batch"], r["context"], r.get("queries", 1), r.get("device_ops", "-"),
+                             f"{r['us_per_layer_step']:.1f}",
                              f"{r['vs_dense']:.2f}", f"{r['best_us']:.1f}", f"{r['best_vs_dense']:.2f}",
                              " / ".join(f"{x:.1f}" for x in r["rounds_us"])] for r in report["rows"]])
-    head = md_header("Host time of one decode layer step (Triton launches stubbed, CPU tensors)",
+    head = md_header("Host time of one layer step (Triton launches stubbed, CPU tensors)",
                      report["meta"]["command"], f"CPU: {report['meta']['machine']['platform']}, 1 torch thread",
                      f"load average {report['load_average']:.1f} at the start (of {os.cpu_count()} CPUs)")
     if report.get("generate_rows"):
@@ -275,9 +316,10 @@ def _measure(args) -> list[dict]:
     """The fp16 sdpa row, then one row per preset: the median over --rounds of the mean us per decode layer step.
     Rounds alternate between the rows, so a change of load on a shared machine hits every row alike."""
     headroom = WARMUP_STEPS + args.steps * (args.rounds + args.profile)
-    steps = {DENSE: (dense_layer_step(args.batch, args.context), stubbed_dense_ops)}
+    steps = {DENSE: (dense_layer_step(args.batch, args.context, queries=args.queries), stubbed_dense_ops)}
     for preset in args.presets.split(","):
-        steps[preset] = (layer_step(preset, args.batch, args.context, headroom=headroom), stubbed_launches)
+        steps[preset] = (layer_step(preset, args.batch, args.context, headroom=headroom, queries=args.queries),
+                         stubbed_launches)
     per_round: dict[str, list[float]] = {name: [] for name in steps}
     for first in [True] + [False] * (args.rounds - 1):
         for name, (step, stubs) in steps.items():
@@ -285,6 +327,10 @@ def _measure(args) -> list[dict]:
                 for _ in range(WARMUP_STEPS if first else 0):
                     step()
                 per_round[name].append(time_steps(step, args.steps))
+    ops = {}
+    for name, (step, stubs) in steps.items():
+        with stubs():
+            ops[name] = device_ops(step)
     if args.profile:
         for name, (step, stubs) in steps.items():
             with stubs():
@@ -293,10 +339,10 @@ def _measure(args) -> list[dict]:
             print(f"== {name}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     dense, dense_best = statistics.median(per_round[DENSE]), min(per_round[DENSE])
-    return [{"preset": name, "batch": args.batch, "context": args.context, "steps": args.steps,
+    return [{"preset": name, "batch": args.batch, "context": args.context, "queries": args.queries, "steps": args.steps,
              "us_per_layer_step": statistics.median(rounds), "vs_dense": statistics.median(rounds) / dense,
-             "best_us": min(rounds), "best_vs_dense": min(rounds) / dense_best, "rounds_us": rounds}
-            for name, rounds in per_round.items()]
+             "best_us": min(rounds), "best_vs_dense": min(rounds) / dense_best, "rounds_us": rounds,
+             "device_ops": ops[name]} for name, rounds in per_round.items()]
 
 
 def _measure_generate(args) -> list[dict]:

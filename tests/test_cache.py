@@ -13,8 +13,9 @@ import torch
 from models import PLAIN_LEVERS, assert_close, fake_quantize, ring_round_trip
 from transformers import DynamicCache, LlamaConfig, Llama4TextConfig
 
-from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig
-from tq_hf.cache import GROWTH_DIVISOR, POSITIVE_CROP_RAISES, TurboQuantLayer, min_growth_blocks
+from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig, reference
+from tq_hf.cache import (GATHERED_WINDOW_TOKENS, GROWTH_DIVISOR, POSITIVE_CROP_RAISES, TurboQuantLayer,
+                         min_growth_blocks)
 from tq_hf.layout import BlockLayout
 
 HEADS, DIM = 3, 64
@@ -413,3 +414,45 @@ def test_recent_window_ring_after_crop_matches_the_exact_history(recent_format):
     qk, _ = fake_quantize(keys, values, layer.layout.config)
     assert_close(got_k[:, :, -w:], held(keys[:, :, -w:]), atol=1e-6, what="ring keys after refill")
     assert_close(got_k[:, :, :-w], qk[:, :, :-w], atol=1e-5, what="compressed keys after refill")
+
+
+@pytest.mark.parametrize("recent_format,centering,dtype", [("int8", True, torch.float16), ("int8", False, torch.float32),
+                                                          ("exact", False, torch.float16)])
+def test_a_few_tokens_window_gathers_what_the_general_path_builds(recent_format, centering, dtype):
+    """A forward of up to GATHERED_WINDOW_TOKENS tokens at a host position gathers its exact window (the ring
+    decoded in slot order, then one indexed read): bitwise the general path's window (position-order reads, a cat
+    and a scatter; taken here with the position as a tensor), and position p of the window at slot p % (W + new)
+    holding the ring's record of p or the new token, at every start modulo W and both ends of the width range."""
+    w = 8
+    cache = new_cache(layers=1, recent_window=w, recent_format=recent_format, key_centering=centering)
+    layer = cache.layers[0]
+    k, v = kv(2, 21)
+    cache.update(k.to(dtype), v.to(dtype), 0)
+    for _ in range(w + 3):  # every start % W, the ring rewritten as decode steps go
+        nk, nv = kv(2, 1)
+        cache.update(nk.to(dtype), nv.to(dtype), 0)
+        start = layer.length
+        for new in (2, 5, GATHERED_WINDOW_TOKENS):
+            xk, xv = (x.to(dtype) for x in kv(2, new))
+            fast = layer.forward_window(xk, xv, start)
+            general = layer.forward_window(xk, xv, torch.tensor(start))
+            for got, want in zip(fast, general):
+                assert got.dtype == want.dtype == dtype and torch.equal(got, want), (start, new)
+            pos = torch.arange(start - w, start + new)
+            ring = reference.ring_vectors(layer.recent_keys, reference.ring_offset(layer.key_offset))
+            in_order = fast[0][:, :, pos % (w + new)]
+            assert torch.equal(in_order[:, :, w:], xk)
+            assert torch.equal(in_order[:, :, :w], ring[:, :, pos[:w] % w].to(dtype))
+
+
+def test_slots_of_a_few_tokens_match_the_block_formula():
+    """_slots' table of a few positions' slot offsets gives what the block formula does (position p of row r:
+    block (p // T) * rows + r's first slot, plus p % T), across block boundaries."""
+    cache = new_cache(layers=1, block_size=16)
+    cache.update(*kv(3, 5), 0)
+    layer, t = cache.layers[0], 16
+    for start in range(0, 40):
+        for count in (2, 7, GATHERED_WINDOW_TOKENS, GATHERED_WINDOW_TOKENS + 1):
+            pos = torch.arange(start, start + count)
+            want = (layer._row_slots[:, None] + (pos // t) * layer.rows * t + pos % t).flatten()
+            assert torch.equal(layer._slots(start, count), want), (start, count)

@@ -56,6 +56,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/q
 # chunk_history_tokens=None keeps up to this many (SmolLM2, 8 prompts of 1000 tokens in chunks of 32 or 256: decode KL
 # 1.07-1.18x one prefill's for k3v4 and 3bit with 512, 1.21-1.34x with the ring's 128 alone; docs/performance.md)
 AUTO_CHUNK_HISTORY_TOKENS = 512
+# forwards of up to this many tokens (speculative verification, short turns) gather their exact window by a cached
+# index (TurboQuantLayer._ring_window); longer ones, rarer per token, take the general path
+GATHERED_WINDOW_TOKENS = 16
 
 
 def min_growth_blocks(block_size: int) -> int:
@@ -693,6 +696,9 @@ class TurboQuantLayer(CacheLayerMixin):
         recent_window overlay reads). So every new query attends the forward's own tokens exactly, and the
         older history as a decode step at `start` would. Read before the store overwrites the ring."""
         new = key_states.shape[2]
+        if (type(start) is int and new <= GATHERED_WINDOW_TOKENS and self.recent_keys is not None
+                and not self._window_from_chunk_history(start, new)):
+            return self._ring_window(key_states, value_states, start)
         past = self._window_history(start, new)
         w = 0 if past is None else past[0].shape[2]
         pos = torch.arange(w + new, device=self.device) + (start - w)  # (start: a host int, or 0-d when traced)
@@ -705,8 +711,7 @@ class TurboQuantLayer(CacheLayerMixin):
         chunk history when this forward of several tokens follows the ones that kept it (and it may hold more than
         the ring's W tokens and holds at least W), else the ring's W positions (decoded records); None without a
         ring."""
-        if (new > 1 and self._chunk_history and type(start) is int and start == self._chunk_history_end
-                and self._chunk_history_size > self.ring_size and self._chunk_history_tokens() >= self.ring_size):
+        if type(start) is int and self._window_from_chunk_history(start, new):
             return self._chunk_history_window()
         if self.recent_keys is None:
             return None
@@ -715,6 +720,24 @@ class TurboQuantLayer(CacheLayerMixin):
         offset = reference.ring_offset(self.key_offset)
         return (reference.ring_vectors(self.recent_keys.index_select(2, slots), offset),
                 reference.ring_vectors(self.recent_values.index_select(2, slots)))
+
+    def _window_from_chunk_history(self, start: int, new: int) -> bool:
+        """Whether a forward of `new` tokens at `start` takes its window's history from the chunk history."""
+        return (new > 1 and bool(self._chunk_history) and start == self._chunk_history_end
+                and self._chunk_history_size > self.ring_size and self._chunk_history_tokens() >= self.ring_size)
+
+    def _ring_window(self, key_states: torch.Tensor, value_states: torch.Tensor,
+                     start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_window over the ring for a few new tokens at a host position: the whole ring decoded in its own
+        order, the new tokens after it, and one gather into the window's slots (a cached index, rolled): 12 device
+        ops per layer where the general path's position-order reads, cat and scatter took 29 (a verification
+        forward of speculative decoding runs this in every layer)."""
+        w, new = self.ring_size, key_states.shape[2]
+        n = w + new
+        src = torch.roll(_window_sources(w, new, self.device)[start % w], -((w - start) % n))
+        offset = reference.ring_offset(self.key_offset)
+        return tuple(torch.cat([reference.ring_vectors(ring, off).to(x.dtype), x], 2).index_select(2, src)
+                     for ring, off, x in ((self.recent_keys, offset, key_states), (self.recent_values, None, value_states)))
 
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
@@ -915,6 +938,9 @@ class TurboQuantLayer(CacheLayerMixin):
         t = self.layout.block_size
         if count == 1 and not clamp:  # one add into a persistent buffer (the store reads it before the next such add)
             return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
+        if not clamp and count <= GATHERED_WINDOW_TOKENS:  # a few tokens: 2 device ops, not 7
+            offsets = _slot_offsets(t, self.rows, str(self.device))[start % t, :count]
+            return (self._row_slots[:, None] + offsets).add_(self._slot_shift(start)).flatten()
         pos = torch.arange(start, start + count, device=self.device)
         pos = pos.clamp_min(0) if clamp else pos
         return (self._row_slots[:, None] + ((pos // t) * self.rows * t + pos % t)[None, :]).flatten()
@@ -955,6 +981,25 @@ class TurboQuantLayer(CacheLayerMixin):
         if rebuild:
             self.rows = new_rows
             self._rebuild_tables()
+
+
+@functools.lru_cache(maxsize=16)
+def _slot_offsets(block_size: int, rows: int, device: str) -> torch.Tensor:
+    """[T, GATHERED_WINDOW_TOKENS] int64: row r (a position's offset in its block) holds what the slots of the
+    positions 0, 1, ... after it add to its own (TurboQuantLayer._slots: position p of a row, block p // T of the
+    pool's rows-interleaved blocks, offset p % T)."""
+    r, i = torch.arange(block_size)[:, None], torch.arange(GATHERED_WINDOW_TOKENS)[None, :]
+    return (((r + i) // block_size) * rows * block_size + (r + i) % block_size - r).to(device)
+
+
+@functools.lru_cache(maxsize=4 * GATHERED_WINDOW_TOKENS)
+def _window_sources(w: int, new: int, device: torch.device) -> torch.Tensor:
+    """[w, w + new] int32: row c (the window's first history position's ring slot, start % w) holds, for each of the
+    window's positions in order (t = p - start + w), its index in [ring in slot order, new tokens]. Rolled by the
+    window's own slot of that position, it is the gather of forward_window (shared by every layer and cache)."""
+    t = torch.arange(w + new)
+    table = torch.where(t < w, (t[None, :] + torch.arange(w)[:, None]) % w, t)
+    return table.to(device=device, dtype=torch.int32)
 
 
 @torch.compiler.disable

@@ -391,8 +391,7 @@ def encode_ring(x: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Te
 def decode_ring(records: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
     """int8 ring records [..., ring_record_bytes(D)] -> the vectors [..., D] as fp32 (codes x scale, + offset)."""
     d = ring_record_head_dim(records.shape[-1])
-    half = records[..., d : d + 2 * (d // RING_GROUP)].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    s = (half << 16).view(torch.float32)
+    s = records[..., d : d + 2 * (d // RING_GROUP)].view(torch.bfloat16).float()  # the groups' bfloat16 scales
     y = (records[..., :d].float().unflatten(-1, (d // RING_GROUP, RING_GROUP)) * s[..., None]).flatten(-2)
     return y if offset is None else y + offset.float()
 

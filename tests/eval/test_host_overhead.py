@@ -83,3 +83,44 @@ def test_whole_model_stubs_keep_token_ids_real_and_are_restored():
         assert not functional.scaled_dot_product_attention(q, q, q).any()
         assert generate_timer(DENSE, 1, 16, heads=(4, 2, 8))(2) > 0
     assert (torch.cat, functional.scaled_dot_product_attention, functional.linear) == saved
+
+
+def test_device_ops_count_torch_ops_that_launch_and_the_stubbed_launches():
+    """device_ops: views are free, other torch ops and each stubbed Triton launch count one."""
+    from eval.host_overhead import device_ops
+
+    x = torch.randn(4, 6)
+    assert device_ops(lambda: (x.t(), x[1:], x.view(6, 4))) == 0
+    assert device_ops(lambda: (x + 1).mul_(2).sum()) == 3
+    step = layer_step("4bit", 1, 40)
+    with stubbed_launches():
+        step()  # plans made
+        ops = device_ops(step)
+        from tq_hf.kernels import fast_launch
+        calls = []
+        original = fast_launch.LaunchSite.__call__
+        fast_launch.LaunchSite.__call__ = lambda self, *args: calls.append(1)
+        try:
+            assert device_ops(step) == ops - len(calls)  # the launches no longer counted
+        finally:
+            fast_launch.LaunchSite.__call__ = original
+    assert len(calls) >= 2  # the store and the attention at least
+
+
+def test_verification_steps_attend_several_tokens_and_crop_one(tmp_path):
+    """--queries Q: each layer step stores Q tokens, attends them and crops one (assisted decoding's crop), so the
+    cache grows by Q - 1 per step; the rows carry their device ops."""
+    import tq_hf
+    from eval.host_overhead import _model_config, _step_over
+    from tq_hf.attention import turboquant_attention_forward
+
+    cache = tq_hf.TurboQuantCache(_model_config((4, 2, 32), "turboquant"), preset="4bit")
+    step = _step_over(cache, turboquant_attention_forward, 1, 40, (4, 2, 32), queries=6)
+    with stubbed_launches():
+        step()
+        step()
+    assert cache.get_seq_length() == 40 + 2 * 5
+    report = main(["--presets", "4bit", "--queries", "6", "--steps", "2", "--rounds", "1", "--context", "40",
+                   "--out", str(tmp_path)])
+    assert [r["queries"] for r in report["rows"]] == [6, 6] and all(r["device_ops"] > 0 for r in report["rows"])
+    assert "new tokens" in (tmp_path / "table.md").read_text()
