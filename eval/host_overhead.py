@@ -339,7 +339,8 @@ def _measure(args) -> list[dict]:
             print(f"== {name}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(20)
     dense, dense_best = statistics.median(per_round[DENSE]), min(per_round[DENSE])
-    return [{"preset": name, "batch": args.batch, "context": args.context, "queries": args.queries, "steps": args.steps,
+    return [{"preset": name, "batch": args.batch, "context": args.context, "queries": args.queries,
+             "steps": args.steps,
              "us_per_layer_step": statistics.median(rounds), "vs_dense": statistics.median(rounds) / dense,
              "best_us": min(rounds), "best_vs_dense": min(rounds) / dense_best, "rounds_us": rounds,
              "device_ops": ops[name]} for name, rounds in per_round.items()]

@@ -416,8 +416,8 @@ def test_recent_window_ring_after_crop_matches_the_exact_history(recent_format):
     assert_close(got_k[:, :, :-w], qk[:, :, :-w], atol=1e-5, what="compressed keys after refill")
 
 
-@pytest.mark.parametrize("recent_format,centering,dtype", [("int8", True, torch.float16), ("int8", False, torch.float32),
-                                                          ("exact", False, torch.float16)])
+@pytest.mark.parametrize("recent_format,centering,dtype", [
+    ("int8", True, torch.float16), ("int8", False, torch.float32), ("exact", False, torch.float16)])
 def test_a_few_tokens_window_gathers_what_the_general_path_builds(recent_format, centering, dtype):
     """A forward of up to GATHERED_WINDOW_TOKENS tokens at a host position gathers its exact window (the ring
     decoded in slot order, then one indexed read): bitwise the general path's window (position-order reads, a cat

@@ -736,8 +736,9 @@ class TurboQuantLayer(CacheLayerMixin):
         n = w + new
         src = torch.roll(_window_sources(w, new, self.device)[start % w], -((w - start) % n))
         offset = reference.ring_offset(self.key_offset)
+        pairs = ((self.recent_keys, offset, key_states), (self.recent_values, None, value_states))
         return tuple(torch.cat([reference.ring_vectors(ring, off).to(x.dtype), x], 2).index_select(2, src)
-                     for ring, off, x in ((self.recent_keys, offset, key_states), (self.recent_values, None, value_states)))
+                     for ring, off, x in pairs)
 
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
