@@ -728,17 +728,11 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _ring_window(self, key_states: torch.Tensor, value_states: torch.Tensor,
                      start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_window over the ring for a few new tokens at a host position: the whole ring decoded in its own
-        order, the new tokens after it, and one gather into the window's slots (a cached index, rolled): 12 device
-        ops per layer where the general path's position-order reads, cat and scatter took 29 (a verification
-        forward of speculative decoding runs this in every layer)."""
-        w, new = self.ring_size, key_states.shape[2]
-        n = w + new
-        src = torch.roll(_window_sources(w, new, self.device)[start % w], -((w - start) % n))
-        offset = reference.ring_offset(self.key_offset)
-        pairs = ((self.recent_keys, offset, key_states), (self.recent_values, None, value_states))
-        return tuple(torch.cat([reference.ring_vectors(ring, off).to(x.dtype), x], 2).index_select(2, src)
-                     for ring, off, x in pairs)
+        """forward_window over the ring for a few new tokens at a host position (ops.ring_window: one launch per
+        tensor on CUDA, where the general path's position-order reads, decode, cat and scatter took 29 device ops
+        per layer; a verification forward of speculative decoding runs this in every layer)."""
+        return (ops.ring_window(self.recent_keys, key_states, start, self.key_offset),
+                ops.ring_window(self.recent_values, value_states, start))
 
     def _keep_chunk_history(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                             dense: bool) -> None:
@@ -991,16 +985,6 @@ def _slot_offsets(block_size: int, rows: int, device: str) -> torch.Tensor:
     pool's rows-interleaved blocks, offset p % T)."""
     r, i = torch.arange(block_size)[:, None], torch.arange(GATHERED_WINDOW_TOKENS)[None, :]
     return (((r + i) // block_size) * rows * block_size + (r + i) % block_size - r).to(device)
-
-
-@functools.lru_cache(maxsize=4 * GATHERED_WINDOW_TOKENS)
-def _window_sources(w: int, new: int, device: torch.device) -> torch.Tensor:
-    """[w, w + new] int32: row c (the window's first history position's ring slot, start % w) holds, for each of the
-    window's positions in order (t = p - start + w), its index in [ring in slot order, new tokens]. Rolled by the
-    window's own slot of that position, it is the gather of forward_window (shared by every layer and cache)."""
-    t = torch.arange(w + new)
-    table = torch.where(t < w, (t[None, :] + torch.arange(w)[:, None]) % w, t)
-    return table.to(device=device, dtype=torch.int32)
 
 
 @torch.compiler.disable

@@ -194,6 +194,16 @@ def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
     return reference.gather(pool, layout, block_table, key_offset)
 
 
+def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.ring_window (a forward's exact window from the ring and its new tokens); the kernel on CUDA, one launch.
+    key_offset: the key-centering mean int8 key records were taken less of (ignored for an exact ring, which holds
+    the keys themselves). Traced, the torch ops (dynamo sees through them)."""
+    offset = key_offset if ring.dtype == torch.int8 else None
+    if use_kernels(new) and not torch.compiler.is_compiling():
+        return _kernels().ring_window(ring, new, start, offset)
+    return reference.ring_window(ring, new, start, offset)
+
+
 # ---- the custom ops (what torch.compile sees) ----------------------------------------------------
 @torch.library.custom_op("tq_hf::store", mutates_args=("pool", "recent_keys", "recent_values", "seq_lens"))
 def _store_op(pool: torch.Tensor, layout: int, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,

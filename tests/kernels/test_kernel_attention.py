@@ -777,6 +777,19 @@ def test_gpu_four_bit_verification_tiles(q_len, levers, block_m, key_words):
         assert seen["VALUE_WORDS"], seen
 
 
+@pytest.mark.parametrize("batch,splits,maxnreg", [(1, 32, 128), (2, 8, None)])
+def test_gpu_four_bit_verification_splits(batch, splits, maxnreg):
+    """4bit with every lever, 8 new tokens over S=32k on an H200: at B=1 the two 16-row tiles of each KV head run in
+    128 registers (4 programs per SM) with the splits sized for 4 waves of them; from 2 rows uncapped, 3 waves."""
+    layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)  # planned over S=32k, not run
+    ring_k, ring_v = recent_ring(layout, batch, 128 + 8, torch.float16, "cpu")
+    seen = _gpu_launch(torch.randn(batch, 32, 8, 128, dtype=torch.float16), layout.allocate(1, "cpu"), layout,
+                       table, torch.full((batch,), 32768), 0.1, max_seq_len=32768, key_offset=torch.zeros(batch, 8, 128),
+                       recent_keys=ring_k, recent_values=ring_v)
+    assert (seen["BLOCK_M"], seen["GRID"], seen.get("maxnreg")) == (16, (2 * splits, 8, batch), maxnreg), seen
+
+
 @pytest.mark.parametrize("preset,batch,q_len,exact_program,spread,ring_tile", [
     # several 16-row tiles per KV head: the ring's tiles shared out in 16 tokens up to 2 x 8 KV heads
     ("3bit", 1, 8, False, True, 16), ("4bit", 1, 8, False, True, 16), ("k3v4", 1, 8, False, True, 16),

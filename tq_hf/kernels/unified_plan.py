@@ -97,6 +97,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             block_n, maxnreg = 128, (168 if plain_format else None)
         elif words and d == 64:
             maxnreg = 168  # 4-bit code words at head_dim 64: 256-token tiles in 168 registers, levers too
+        elif verify4 and b * hk <= 8:
+            # a verification forward's two 16-row tiles at B=1: 128 registers, 4 programs per SM, and splits for
+            # them (below): S=32k, 8 queries (H100) 0.0621 -> 0.0595 ms; the cap alone 0.0697, the splits alone 0.0702
+            maxnreg = 128
         elif cfg.key_bits == 8 and d == 64 and on_gpu and not batch_fills_gpu:
             # FP8 keys at head_dim 64 with token-pair metadata: 128 registers under the levers (uncapped 1.3-1.5x)
             maxnreg = None if plain_format else 128
@@ -193,6 +197,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # waves (S=32k k8v4+defaults, H100: B=1 8/4/256 0.0557 -> 0.0496 ms at half the splits, 32/16/256 0.120 ->
         # 0.117; at B=16 8/4/256 half the splits were 2% slower)
         waves = (2 if d > 128 and b * hk <= 16 else 4) if cfg.key_bits == 8 else 3
+        if verify4 and maxnreg == 128:
+            waves = 4
         if words and num_warps == 2:
             waves *= 2
         # (several row tiles too: a chunk of queries over a long history, which few programs would walk alone)
