@@ -16,6 +16,7 @@ from tq_hf import reference
 from tq_hf.layout import value_planes
 from tq_hf.kernels import DeviceTraits, LaunchConfig, plan_attention, unified_attention
 from tq_hf.kernels.device import H200
+from tq_hf.kernels.launch_config import NO_REGISTER_CAP
 from tq_hf.kernels.reduce import reduce_site
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, exact_prefix, fill_cache, make_layout,
@@ -1057,6 +1058,22 @@ def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, 
     (got, want), (off, want_again) = outputs
     assert torch.equal(want, want_again)  # the same inputs
     assert (rel_error(got, off) <= tol) if tol else torch.equal(got, off), rel_error(got, off)
+
+
+@pytest.mark.gpu
+def test_fp8_keys_at_head_dim_256_in_8_warps_gpu():
+    """FP8 keys at head_dim 256 with every lever from 16 (row, KV head) pairs take 8 warps in 128 registers (each
+    thread half a tile): the reference's attention at odd lengths, split, with the prefix and the ring, and the
+    4-warp plan's output to fp16's resolution (the tiles' sums split over other warps)."""
+    layout = make_layout("k8v4", 4, 256, key_centering=True, value_rotation=True)
+    lens = [4099 - 37 * i for i in range(4)]
+    kw = dict(dtype=torch.float16, device="cuda", max_seq_len=4097, prefix_len=4, recent=(128, 0),
+              key_offset=torch.randn(4, 256, device="cuda"))
+    torch.manual_seed(5)
+    wide, want = _check(layout, lens, 1, 2, **kw)
+    torch.manual_seed(5)
+    narrow, _ = _check(layout, lens, 1, 2, launch=LaunchConfig(num_warps=4, maxnreg=NO_REGISTER_CAP), **kw)
+    assert rel_error(wide, narrow) <= 2 ** -10, rel_error(wide, narrow)
 
 
 @pytest.mark.gpu
