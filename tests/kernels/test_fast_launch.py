@@ -94,6 +94,85 @@ def test_launch_site_falls_back_to_triton(fake_triton, monkeypatch):
     assert [r[-2] for r in kernel.compiled.runs] == ["t3"]
 
 
+def test_direct_tells_whether_a_call_skips_triton_and_run_direct_passes_addresses(fake_triton):
+    driver, hooks = fake_triton
+    kernel = FakeKernel(["x_ptr", "n", "BLOCK"], [2])
+    site = fast_launch.LaunchSite(kernel, (2, 1, 1), {"BLOCK": 32})
+    assert not site.direct()  # nothing compiled yet
+    site("t0", 1)
+    assert site.direct()
+    site.run_direct(0x7F00, 5)
+    assert kernel.compiled.runs[-1] == (2, 1, 1, 1000, "function", "metadata", None, None, None, 0x7F00, 5, 32)
+    driver.device = 1
+    assert not site.direct()
+    driver.device = 0
+    hooks.append("profiler")
+    assert not site.direct()
+    t = torch.zeros(3)
+    assert fast_launch.addresses((t, 4, None, t[1:])) == (t.data_ptr(), 4, None, t.data_ptr() + 4)
+
+
+def _adopted_fake(site: fast_launch.LaunchSite) -> FakeCompiled:
+    """Make a planned site call a fake compiled kernel directly (as an adopted one on device 0 would)."""
+    site._kernel, site._suffix, site._device = FakeCompiled(), ("CONSTEXPRS",), 0
+    return site._kernel
+
+
+def test_held_attention_launches_by_address_on_the_direct_path(fake_triton, monkeypatch):
+    """A held decode launch on the direct path passes every tensor, the lasting ones and the new query and out, as
+    its address, in the order and with the scalars of the tensor call (the reduction's too); with a launch hook
+    installed it takes Triton's path with the tensors and still computes the reference's attention."""
+    driver, hooks = fake_triton
+    monkeypatch.setattr(attention_kernel, "_PLANS", fast_launch.PlanCache())
+    layout = make_layout("4bit", 2, 64)
+    q, pool, table, seq = _attention_call(layout, [70])
+    held = attention_kernel.HeldAttention()
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, pool, layout, table, seq, default_scale(64), out=out, max_seq_len=70, num_splits=2,
+                      held=held)
+    plan = held._plan
+    assert plan.split
+    attention, reduce = _adopted_fake(plan.attention), _adopted_fake(plan.reduce)
+    q2, out2 = torch.randn_like(q), torch.empty_like(q)
+    held.launch(q2, out2, 0)
+    want = attention_kernel._call_arguments(q2, out2, held._middle, 0, plan.scalars)
+    (run,), (red,) = attention.runs, reduce.runs
+    assert run[9:] == (*fast_launch.addresses(want), "CONSTEXPRS")
+    assert not any(isinstance(a, torch.Tensor) for a in run + red)
+    pout, plse = held._partials
+    assert red[9:] == (*fast_launch.addresses((pout, plse, out2, *out2.stride()[:3], plan.ns_all, plan.vrot)),
+                       "CONSTEXPRS")
+    hooks.append("profiler")  # Triton's own path: tensors, the real kernel
+    plan.attention._kernel = plan.reduce._kernel = None
+    out3 = torch.full_like(q, float("nan"))
+    held.launch(q2, out3, 0)
+    expect = reference.paged_attention(q2.float(), pool, layout, table, seq, default_scale(64))
+    assert rel_error(out3, expect) <= attention_tolerance(q2.dtype, expect)
+
+
+def test_held_store_launches_by_address_on_the_direct_path(fake_triton, monkeypatch):
+    """A held decode store on the direct path passes the new tokens and every lasting tensor (slots, the ring, the
+    lengths) as addresses, in the tensor call's order."""
+    monkeypatch.setattr(store_kernel, "_PLANS", fast_launch.PlanCache())
+    layout = make_layout("4bit", 2, 64)
+    pool = layout.allocate(4, DEVICE)
+    ring_k, ring_v = (torch.zeros(2, 2, 8, 64, device=DEVICE) for _ in range(2))
+    seq = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([3, 20], device=DEVICE)
+    held = store_kernel.HeldStore()
+    k, v = (torch.randn(2, 2, 64, device=DEVICE) for _ in range(2))
+    store_kv(pool, layout, k, v, slots, recent=(ring_k, ring_v), start=5, seq_lens=seq, held=held)
+    plan = held._plan
+    compiled = _adopted_fake(plan.site)
+    k2, v2 = torch.randn_like(k), torch.randn_like(v)
+    held.launch(k2, v2, 6, 1)
+    want = store_kernel._store_arguments(k2, v2, slots, 1, held._lasting, ring_k, ring_v, plan.ring_scalars, 6, seq,
+                                         plan.tokens_per_row)
+    (run,) = compiled.runs
+    assert run[9:] == (*fast_launch.addresses(want), "CONSTEXPRS")
+    assert not any(isinstance(a, torch.Tensor) for a in run)
+
+
 @pytest.mark.parametrize("case", ["unverified triton", "constexpr among the arguments", "constexpr by default"])
 def test_launch_site_never_calls_directly_when_unsure(fake_triton, monkeypatch, case):
     names, constexprs, kwargs = ["x_ptr", "BLOCK"], [1], {"BLOCK": 16}

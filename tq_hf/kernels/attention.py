@@ -18,7 +18,7 @@ from ..layout import BlockLayout
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import PlanCache, argument_key, device_of, holdable_offset, value_key
+from .fast_launch import PlanCache, addresses, argument_key, device_of, holdable_offset, value_key
 from .launch import launch_fitting
 from .launch_config import DEFAULT as _NO_OVERRIDES, LaunchConfig
 from .plan import AttentionPlan
@@ -129,7 +129,8 @@ class HeldAttention:
     and the argument tuple (docs/performance.md has the host time).
     """
 
-    __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials", "_workspaces")
+    __slots__ = ("_signature", "_query_kind", "_out_kind", "_tensors", "_plan", "_middle", "_partials", "_workspaces",
+                 "_middle_at", "_reduce_at")
 
     def __init__(self):
         self._signature = None
@@ -145,15 +146,26 @@ class HeldAttention:
         self._signature, self._plan, self._middle, self._partials = signature, plan, middle, partials
         self._query_kind, self._out_kind, self._tensors = argument_key(query), argument_key(out), tensors
         self._workspaces = _workspace.generation()  # the split partials are views of the workspace of now
+        # the lasting tensors' addresses for direct launches (the tensors themselves stay referenced above)
+        self._middle_at, self._reduce_at = addresses(middle), addresses((*partials, plan.vrot))
 
     def launch(self, query: torch.Tensor, out: torch.Tensor, recent_from: int) -> torch.Tensor:
         """The held call with a new query, out and recent_from."""
         _check_recent_from(recent_from)
         plan = self._plan
         with device_of(self._tensors[0]):
-            plan.attention(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
+            site, reduce = plan.attention, plan.reduce
+            if site.direct() and (reduce is None or reduce.direct()):  # addresses: no driver lookup per tensor
+                o_at = out.data_ptr()
+                site.run_direct(*_call_arguments(query, out, self._middle_at, recent_from, plan.scalars,
+                                                 query.data_ptr(), o_at))
+                if reduce is not None:
+                    pout, plse, vrot = self._reduce_at
+                    reduce.run_direct(pout, plse, o_at, *out.stride()[:3], plan.ns_all, vrot)
+                return out
+            site(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
             if plan.split:
-                plan.reduce(*self._partials, out, *out.stride()[:3], plan.ns_all, plan.vrot)
+                reduce(*self._partials, out, *out.stride()[:3], plan.ns_all, plan.vrot)
         return out
 
 
@@ -177,10 +189,12 @@ def kernel_arguments(plan: AttentionPlan, query, pool, block_table, seq_lens, ou
     return _call_arguments(query, out, middle, recent_from, plan.scalars), pout, plse
 
 
-def _call_arguments(query, out, middle: tuple, recent_from: int, scalars: tuple) -> tuple:
-    """The kernel's arguments: query and out (with their strides) and recent_from around what lasts across calls."""
+def _call_arguments(query, out, middle: tuple, recent_from: int, scalars: tuple, query_at=None, out_at=None) -> tuple:
+    """The kernel's arguments: query and out (with their strides) and recent_from around what lasts across calls.
+    query_at, out_at: their addresses, passed in their place (a direct launch whose middle holds addresses)."""
     qs, os_ = query.stride(), out.stride()
-    return (query, qs[0], qs[1], qs[2], out, os_[0], os_[1], os_[2], *middle, recent_from, *scalars)
+    return (query if query_at is None else query_at, qs[0], qs[1], qs[2], out if out_at is None else out_at,
+            os_[0], os_[1], os_[2], *middle, recent_from, *scalars)
 
 
 def _lasting_arguments(plan: AttentionPlan, pool, block_table, seq_lens, workspace, kv_start, sinks, key_offset,

@@ -46,18 +46,26 @@ class LaunchSite:
         self._kernel = self._suffix = self._device = None
 
     def __call__(self, *args) -> None:
-        kernel = self._kernel
-        if kernel is not None:
-            drv = _driver()
-            device = drv.get_current_device()
-            if device == self._device and not _hooks_installed():
-                g0, g1, g2 = self.grid
-                kernel.run(g0, g1, g2, drv.get_current_stream(device), kernel.function, kernel.packed_metadata,
-                           None, None, None, *args, *self._suffix)
-                return
+        if self.direct():
+            self.run_direct(*args)
+            return
         compiled = self.fn[self.grid](*args, **self.kwargs)
-        if kernel is None:
+        if self._kernel is None:
             self.adopt(compiled, len(args))
+
+    def direct(self) -> bool:
+        """Whether a call now goes straight to the compiled kernel's launcher: it was adopted, its device is the
+        current one and no launch hook is installed."""
+        return self._kernel is not None and _driver().get_current_device() == self._device and not _hooks_installed()
+
+    def run_direct(self, *args) -> None:
+        """The compiled kernel's launcher with these runtime arguments, after direct() said yes. A pointer argument
+        may be an address (addresses()) instead of a tensor: the launcher then skips the tensor's data_ptr() call
+        and the driver's lookup of the pointer (cuPointerGetAttribute), one each per tensor and launch."""
+        kernel = self._kernel
+        g0, g1, g2 = self.grid
+        kernel.run(g0, g1, g2, _driver().get_current_stream(self._device), kernel.function, kernel.packed_metadata,
+                   None, None, None, *args, *self._suffix)
 
     def adopt(self, compiled, n_args: int) -> None:
         """Keep the compiled kernel when the direct call applies: a verified Triton, a compiled (not
@@ -71,6 +79,12 @@ class LaunchSite:
         self._suffix = tuple(self.kwargs[n] for n in tail)
         self._device = _driver().get_current_device()
         self._kernel = compiled
+
+
+def addresses(args: tuple) -> tuple:
+    """args with every tensor replaced by its address (data_ptr()): what LaunchSite.run_direct may take for tensors
+    the caller keeps alive (a held launch's lasting arguments, computed once)."""
+    return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def device_of(t: torch.Tensor):

@@ -22,7 +22,7 @@ from ..reference import token_rows
 from .checks import ACTIVATION_DTYPES, check_key_offset, check_layout_pool, check_ring_alignment, check_tensor
 from .codec_tensors import codec_tensors, key_rotation_units, next_pow2, value_rotation_tensor, value_rotation_units
 from .device import DeviceTraits, device_traits as _traits_of
-from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, holdable_offset
+from .fast_launch import LaunchSite, PlanCache, addresses, argument_key, device_of, holdable_offset
 from .launch_config import StoreLaunchConfig
 from .rotation import hadamard_dot, hadamard_input, matmul_square, row_norm, split_dot
 from .rounding import bf16_bits_to_f32, bf16_rne_bits, bf16_up_bits, fp8e4m3_bits
@@ -463,11 +463,14 @@ def _check_positions(start, slot_shift) -> None:
 
 
 def _store_arguments(key, value, slots, slot_shift: int, lasting: tuple, ring_k, ring_v, ring_scalars: tuple,
-                     start: int, seq_lens, tokens_per_row: int, positions=None) -> tuple:
+                     start: int, seq_lens, tokens_per_row: int, positions=None, key_at=None, value_at=None) -> tuple:
     """The store kernel's runtime arguments: the tokens (absent ring buffers: the tokens as placeholders), the
-    slots, the arguments that last across calls, the positions."""
-    return (key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), slots, slot_shift, *lasting,
-            ring_k if ring_k is not None else key, ring_v if ring_v is not None else value, *ring_scalars,
+    slots, the arguments that last across calls, the positions. key_at, value_at: the tokens' addresses, passed in
+    their place (a direct launch whose other tensors are addresses too)."""
+    k = key if key_at is None else key_at
+    v = value if value_at is None else value_at
+    return (k, key.stride(0), key.stride(1), v, value.stride(0), value.stride(1), slots, slot_shift, *lasting,
+            ring_k if ring_k is not None else k, ring_v if ring_v is not None else v, *ring_scalars,
             start, seq_lens, start + tokens_per_row, positions if positions is not None else slots)
 
 
@@ -477,7 +480,7 @@ class HeldStore:
     with key and value of the kinds the plan was made for. As attention.HeldAttention: the tensors keep their shapes,
     strides and storage; a call with anything else plans (and validates) anew and is held instead."""
 
-    __slots__ = ("_signature", "_key_kind", "_value_kind", "_plan", "_lasting", "_tensors")
+    __slots__ = ("_signature", "_key_kind", "_value_kind", "_plan", "_lasting", "_tensors", "_at")
 
     def __init__(self):
         self._signature = None
@@ -492,6 +495,11 @@ class HeldStore:
         """Keep a launched call (a plan with tokens to store): what its next call reuses."""
         self._signature, self._plan, self._lasting, self._tensors = signature, plan, lasting, tensors
         self._key_kind, self._value_kind = argument_key(key), argument_key(value)
+        _, _, slots, _, ring_k, ring_v, seq_lens, positions = tensors
+        # the lasting tensors' addresses for direct launches (absent rings: the tokens' own, per call)
+        slots_at, ring_k_at, ring_v_at, seq_at, pos_at = addresses(
+            (slots, ring_k, ring_v, seq_lens if seq_lens is not None else slots, positions if positions is not None else slots))
+        self._at = (slots_at, addresses(lasting), ring_k_at, ring_v_at, seq_at, pos_at)
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, start: int, slot_shift: int = 0) -> None:
         """The held call with new tokens at `start`, their slots shifted by `slot_shift`."""
@@ -499,9 +507,15 @@ class HeldStore:
         plan = self._plan
         pool, _, slots, _, ring_k, ring_v, seq_lens, positions = self._tensors
         with device_of(pool):
-            plan.site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v,
-                                        plan.ring_scalars, start, seq_lens if seq_lens is not None else slots,
-                                        plan.tokens_per_row, positions))
+            site = plan.site
+            if site.direct():  # addresses: no driver lookup per tensor
+                slots_at, lasting_at, ring_k_at, ring_v_at, seq_at, pos_at = self._at
+                site.run_direct(*_store_arguments(key, value, slots_at, slot_shift, lasting_at, ring_k_at, ring_v_at,
+                                                  plan.ring_scalars, start, seq_at, plan.tokens_per_row, pos_at,
+                                                  key.data_ptr(), value.data_ptr()))
+                return
+            site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v, plan.ring_scalars,
+                                   start, seq_lens if seq_lens is not None else slots, plan.tokens_per_row, positions))
 
 
 @dataclasses.dataclass(slots=True)
