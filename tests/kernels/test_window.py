@@ -38,20 +38,21 @@ def _by_definition(ring, new, start, offset):
     (torch.float32, None, torch.float32, 48)])
 def test_ring_window_matches_the_reference_bitwise(ring_format, offset_rows, dtype, d):
     """Every start modulo the ring (the relaunch path keeps a plan across starts: 0, 1 and multiples of 16 among
-    them), widths 1 to 16 new tokens, int8 records with a shared or per-row mean or none, exact rings of three
-    dtypes, head_dims of full and partial power-of-two tiles: equal to reference.ring_window and to the definition."""
-    rows, heads, w = 2, 3, 16
+    them), widths 1 to 16 new tokens, rings of 7, 16 and 40 slots, int8 records with a shared or per-row mean or
+    none, exact rings of three dtypes, head_dims of full and partial power-of-two tiles: equal to
+    reference.ring_window and to the definition."""
+    rows, heads = 2, 3
     offset = None if offset_rows is None else torch.randn(*([offset_rows] if offset_rows else []), heads, d,
                                                           device=DEVICE)
-    ring = _ring(rows, heads, w, d, ring_format, offset)
-    for new_count in (1, 5, 16):
+    for w, new_count in ((16, 1), (16, 5), (16, 16), (7, 3), (40, 9)):  # rings of any width, windows over a tile
+        ring = _ring(rows, heads, w, d, ring_format, offset)
         new = torch.randn(rows, heads, new_count, d, device=DEVICE).to(dtype)
         for start in [0, 1, 3, 15, 16, 17, 31, 32, 40]:
             got = ring_window(ring, new, start, offset)
             want = reference.ring_window(ring, new, start, offset)
             assert got.dtype == dtype and got.shape == want.shape
-            assert torch.equal(got, want), (new_count, start, (got != want).nonzero()[:4].tolist())
-            assert torch.equal(got, _by_definition(ring, new, start, offset)), (new_count, start)
+            assert torch.equal(got, want), (w, new_count, start, (got != want).nonzero()[:4].tolist())
+            assert torch.equal(got, _by_definition(ring, new, start, offset)), (w, new_count, start)
 
 
 def test_ring_window_of_a_long_ring_on_strided_inputs():
