@@ -14,7 +14,7 @@ from models import PLAIN_LEVERS, assert_close, fake_quantize, ring_round_trip
 from transformers import DynamicCache, LlamaConfig, Llama4TextConfig
 
 from tq_hf import TurboQuantCache, TurboQuantCacheFullError, TurboQuantConfig, reference
-from tq_hf.cache import (GATHERED_WINDOW_TOKENS, GROWTH_DIVISOR, POSITIVE_CROP_RAISES, TurboQuantLayer,
+from tq_hf.cache import (SLOT_TABLE_TOKENS, GROWTH_DIVISOR, POSITIVE_CROP_RAISES, TurboQuantLayer,
                          min_growth_blocks)
 from tq_hf.layout import BlockLayout
 
@@ -418,11 +418,11 @@ def test_recent_window_ring_after_crop_matches_the_exact_history(recent_format):
 
 @pytest.mark.parametrize("recent_format,centering,dtype", [
     ("int8", True, torch.float16), ("int8", False, torch.float32), ("exact", False, torch.float16)])
-def test_a_few_tokens_window_gathers_what_the_general_path_builds(recent_format, centering, dtype):
-    """A forward of up to GATHERED_WINDOW_TOKENS tokens at a host position gathers its exact window (the ring
-    decoded in slot order, then one indexed read): bitwise the general path's window (position-order reads, a cat
-    and a scatter; taken here with the position as a tensor), and position p of the window at slot p % (W + new)
-    holding the ring's record of p or the new token, at every start modulo W and both ends of the width range."""
+def test_the_ring_window_gathers_what_the_general_path_builds(recent_format, centering, dtype):
+    """A forward of new tokens at a host position gathers its exact window from the ring (ops.ring_window):
+    bitwise the general path's window (position-order reads, a cat and a scatter; taken here with the position as a
+    tensor), and position p of the window at slot p % (W + new) holding the ring's record of p or the new token, at
+    every start modulo W, from 2 new tokens to more than the ring holds."""
     w = 8
     cache = new_cache(layers=1, recent_window=w, recent_format=recent_format, key_centering=centering)
     layer = cache.layers[0]
@@ -432,7 +432,7 @@ def test_a_few_tokens_window_gathers_what_the_general_path_builds(recent_format,
         nk, nv = kv(2, 1)
         cache.update(nk.to(dtype), nv.to(dtype), 0)
         start = layer.length
-        for new in (2, 5, GATHERED_WINDOW_TOKENS):
+        for new in (2, 5, 16, 21):
             xk, xv = (x.to(dtype) for x in kv(2, new))
             fast = layer.forward_window(xk, xv, start)
             general = layer.forward_window(xk, xv, torch.tensor(start))
@@ -452,7 +452,7 @@ def test_slots_of_a_few_tokens_match_the_block_formula():
     cache.update(*kv(3, 5), 0)
     layer, t = cache.layers[0], 16
     for start in range(0, 40):
-        for count in (2, 7, GATHERED_WINDOW_TOKENS, GATHERED_WINDOW_TOKENS + 1):
+        for count in (2, 7, SLOT_TABLE_TOKENS, SLOT_TABLE_TOKENS + 1):
             pos = torch.arange(start, start + count)
             want = (layer._row_slots[:, None] + (pos // t) * layer.rows * t + pos % t).flatten()
             assert torch.equal(layer._slots(start, count), want), (start, count)

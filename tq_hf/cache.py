@@ -56,9 +56,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/q
 # chunk_history_tokens=None keeps up to this many (SmolLM2, 8 prompts of 1000 tokens in chunks of 32 or 256: decode KL
 # 1.07-1.18x one prefill's for k3v4 and 3bit with 512, 1.21-1.34x with the ring's 128 alone; docs/performance.md)
 AUTO_CHUNK_HISTORY_TOKENS = 512
-# forwards of up to this many tokens (speculative verification, short turns) gather their exact window by a cached
-# index (TurboQuantLayer._ring_window); longer ones, rarer per token, take the general path
-GATHERED_WINDOW_TOKENS = 16
+# forwards of up to this many tokens (speculative verification, short turns) take their store slots from a cached
+# table of offsets (TurboQuantLayer._slots); longer ones, rarer per token, compute them
+SLOT_TABLE_TOKENS = 16
 
 
 def min_growth_blocks(block_size: int) -> int:
@@ -696,8 +696,7 @@ class TurboQuantLayer(CacheLayerMixin):
         recent_window overlay reads). So every new query attends the forward's own tokens exactly, and the
         older history as a decode step at `start` would. Read before the store overwrites the ring."""
         new = key_states.shape[2]
-        if (type(start) is int and new <= GATHERED_WINDOW_TOKENS and self.recent_keys is not None
-                and not self._window_from_chunk_history(start, new)):
+        if type(start) is int and self.recent_keys is not None and not self._window_from_chunk_history(start, new):
             return self._ring_window(key_states, value_states, start)
         past = self._window_history(start, new)
         w = 0 if past is None else past[0].shape[2]
@@ -728,9 +727,9 @@ class TurboQuantLayer(CacheLayerMixin):
 
     def _ring_window(self, key_states: torch.Tensor, value_states: torch.Tensor,
                      start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward_window over the ring for a few new tokens at a host position (ops.ring_window: one launch per
-        tensor on CUDA, where the general path's position-order reads, decode, cat and scatter took 29 device ops
-        per layer; a verification forward of speculative decoding runs this in every layer)."""
+        """forward_window over the ring for new tokens at a host position (ops.ring_window: one launch per tensor on
+        CUDA, where the general path's position-order reads, decode, cat and scatter took ~20 device ops per layer; a
+        verification forward of speculative decoding and a chat's next turn run this in every layer)."""
         return (ops.ring_window(self.recent_keys, key_states, start, self.key_offset),
                 ops.ring_window(self.recent_values, value_states, start))
 
@@ -933,7 +932,7 @@ class TurboQuantLayer(CacheLayerMixin):
         t = self.layout.block_size
         if count == 1 and not clamp:  # one add into a persistent buffer (the store reads it before the next such add)
             return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
-        if not clamp and count <= GATHERED_WINDOW_TOKENS:  # a few tokens: 2 device ops, not 7
+        if not clamp and count <= SLOT_TABLE_TOKENS:  # a few tokens: 2 device ops, not 7
             offsets = _slot_offsets(t, self.rows, str(self.device))[start % t, :count]
             return (self._row_slots[:, None] + offsets).add_(self._slot_shift(start)).flatten()
         pos = torch.arange(start, start + count, device=self.device)
@@ -980,10 +979,10 @@ class TurboQuantLayer(CacheLayerMixin):
 
 @functools.lru_cache(maxsize=16)
 def _slot_offsets(block_size: int, rows: int, device: str) -> torch.Tensor:
-    """[T, GATHERED_WINDOW_TOKENS] int64: row r (a position's offset in its block) holds what the slots of the
+    """[T, SLOT_TABLE_TOKENS] int64: row r (a position's offset in its block) holds what the slots of the
     positions 0, 1, ... after it add to its own (TurboQuantLayer._slots: position p of a row, block p // T of the
     pool's rows-interleaved blocks, offset p % T)."""
-    r, i = torch.arange(block_size)[:, None], torch.arange(GATHERED_WINDOW_TOKENS)[None, :]
+    r, i = torch.arange(block_size)[:, None], torch.arange(SLOT_TABLE_TOKENS)[None, :]
     return (((r + i) // block_size) * rows * block_size + (r + i) % block_size - r).to(device)
 
 

@@ -410,23 +410,14 @@ def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, offset: torch
     """The exact window of a forward of new [B, H, NEW, D] at host position `start` over a ring [B, H, W, ...] (exact
     vectors, or int8 records of vectors less `offset`, the key-centering mean [H, D] or [B, H, D]): W + NEW slots in
     new's dtype, position p in [start - W, start + NEW) at slot p % (W + NEW), from the ring's slot p % W where
-    p < start, else new token p - start. As torch ops: the ring decoded in its own order, the new tokens after it, one
-    gather by an index cached per (W, NEW) and rolled by the position."""
+    p < start, else new token p - start. As torch ops: the ring decoded in its own order, the new tokens after it, and
+    one gather."""
     w, m = ring.shape[2], new.shape[2]
-    n = w + m
-    src = torch.roll(_window_sources(w, m, new.device)[start % w], -((w - start) % n))
+    first = start - w  # the window's first position
+    pos = first + (torch.arange(w + m, device=new.device) - first) % (w + m)  # the position each slot holds
+    src = torch.where(pos < start, pos % w, pos - start + w)  # its index in [ring in slot order, new tokens]
     vectors = ring_vectors(ring, None if offset is None else ring_offset(offset))
     return torch.cat([vectors.to(new.dtype), new], 2).index_select(2, src)
-
-
-@functools.lru_cache(maxsize=64)
-def _window_sources(w: int, new: int, device: torch.device) -> torch.Tensor:
-    """[w, w + new] int32: row c (the window's first history position's ring slot, start % w) holds, for each of the
-    window's positions in order (t = p - start + w), its index in [ring in slot order, new tokens]. Rolled by the
-    window's own slot of that position, it is ring_window's gather (shared by every layer and cache)."""
-    t = torch.arange(w + new)
-    table = torch.where(t < w, (t[None, :] + torch.arange(w)[:, None]) % w, t)
-    return table.to(device=device, dtype=torch.int32)
 
 
 def per_token_offset(key_offset: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
