@@ -38,13 +38,13 @@ def _by_definition(ring, new, start, offset):
     (torch.float32, None, torch.float32, 48)])
 def test_ring_window_matches_the_reference_bitwise(ring_format, offset_rows, dtype, d):
     """Every start modulo the ring (the relaunch path keeps a plan across starts: 0, 1 and multiples of 16 among
-    them), widths 1 to 16 new tokens, rings of 7, 16 and 40 slots, int8 records with a shared or per-row mean or
-    none, exact rings of three dtypes, head_dims of full and partial power-of-two tiles: equal to
+    them), 1 to 50 new tokens (a chat turn's too), rings of 7 to 40 slots, int8 records with a shared or per-row
+    mean or none, exact rings of three dtypes, head_dims of full and partial power-of-two tiles: equal to
     reference.ring_window and to the definition."""
     rows, heads = 2, 3
     offset = None if offset_rows is None else torch.randn(*([offset_rows] if offset_rows else []), heads, d,
                                                           device=DEVICE)
-    for w, new_count in ((16, 1), (16, 5), (16, 16), (7, 3), (40, 9)):  # rings of any width, windows over a tile
+    for w, new_count in ((16, 1), (16, 5), (16, 16), (7, 3), (40, 9), (8, 50)):  # rings of any width, long forwards
         ring = _ring(rows, heads, w, d, ring_format, offset)
         new = torch.randn(rows, heads, new_count, d, device=DEVICE).to(dtype)
         for start in [0, 1, 3, 15, 16, 17, 31, 32, 40]:
