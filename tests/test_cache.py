@@ -445,14 +445,15 @@ def test_the_ring_window_gathers_what_the_general_path_builds(recent_format, cen
             assert torch.equal(in_order[:, :, :w], ring[:, :, pos[:w] % w].to(dtype))
 
 
-def test_slots_of_a_few_tokens_match_the_block_formula():
-    """_slots' table of a few positions' slot offsets gives what the block formula does (position p of row r:
-    block (p // T) * rows + r's first slot, plus p % T), across block boundaries."""
+def test_slots_from_the_table_match_the_block_formula():
+    """_slots' tables of positions' slot offsets (widths 16 to SLOT_TABLE_TOKENS) give what the block formula does
+    (position p of row r: block (p // T) * rows + r's first slot, plus p % T), across block boundaries, and so does
+    the computed path past the widest table."""
     cache = new_cache(layers=1, block_size=16)
     cache.update(*kv(3, 5), 0)
     layer, t = cache.layers[0], 16
     for start in range(0, 40):
-        for count in (2, 7, SLOT_TABLE_TOKENS, SLOT_TABLE_TOKENS + 1):
+        for count in (2, 7, 16, 17, 100, SLOT_TABLE_TOKENS, SLOT_TABLE_TOKENS + 1):
             pos = torch.arange(start, start + count)
             want = (layer._row_slots[:, None] + (pos // t) * layer.rows * t + pos % t).flatten()
             assert torch.equal(layer._slots(start, count), want), (start, count)

@@ -56,9 +56,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # key/value/q
 # chunk_history_tokens=None keeps up to this many (SmolLM2, 8 prompts of 1000 tokens in chunks of 32 or 256: decode KL
 # 1.07-1.18x one prefill's for k3v4 and 3bit with 512, 1.21-1.34x with the ring's 128 alone; docs/performance.md)
 AUTO_CHUNK_HISTORY_TOKENS = 512
-# forwards of up to this many tokens (speculative verification, short turns) take their store slots from a cached
-# table of offsets (TurboQuantLayer._slots); longer ones, rarer per token, compute them
-SLOT_TABLE_TOKENS = 16
+# forwards of up to this many tokens (speculative verification, a chat's next turn) take their store slots from a
+# cached table of offsets, as wide as the next power of two (TurboQuantLayer._slots: 2 device ops); longer ones (long
+# prefill chunks, rarer per token) compute them (7), where a table would take T x width x 8 bytes
+SLOT_TABLE_TOKENS = 1024
 
 
 def min_growth_blocks(block_size: int) -> int:
@@ -932,8 +933,9 @@ class TurboQuantLayer(CacheLayerMixin):
         t = self.layout.block_size
         if count == 1 and not clamp:  # one add into a persistent buffer (the store reads it before the next such add)
             return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
-        if not clamp and count <= SLOT_TABLE_TOKENS:  # a few tokens: 2 device ops, not 7
-            offsets = _slot_offsets(t, self.rows, str(self.device))[start % t, :count]
+        if not clamp and count <= SLOT_TABLE_TOKENS:  # 2 device ops, not 7
+            width = max(16, 1 << (count - 1).bit_length())
+            offsets = _slot_offsets(t, self.rows, str(self.device), width)[start % t, :count]
             return (self._row_slots[:, None] + offsets).add_(self._slot_shift(start)).flatten()
         pos = torch.arange(start, start + count, device=self.device)
         pos = pos.clamp_min(0) if clamp else pos
@@ -977,12 +979,12 @@ class TurboQuantLayer(CacheLayerMixin):
             self._rebuild_tables()
 
 
-@functools.lru_cache(maxsize=16)
-def _slot_offsets(block_size: int, rows: int, device: str) -> torch.Tensor:
-    """[T, SLOT_TABLE_TOKENS] int64: row r (a position's offset in its block) holds what the slots of the
-    positions 0, 1, ... after it add to its own (TurboQuantLayer._slots: position p of a row, block p // T of the
-    pool's rows-interleaved blocks, offset p % T)."""
-    r, i = torch.arange(block_size)[:, None], torch.arange(SLOT_TABLE_TOKENS)[None, :]
+@functools.lru_cache(maxsize=32)
+def _slot_offsets(block_size: int, rows: int, device: str, width: int) -> torch.Tensor:
+    """[T, width] int64: row r (a position's offset in its block) holds what the slots of the positions 0, 1, ...
+    after it add to its own (TurboQuantLayer._slots: position p of a row, block p // T of the pool's rows-interleaved
+    blocks, offset p % T)."""
+    r, i = torch.arange(block_size)[:, None], torch.arange(width)[None, :]
     return (((r + i) // block_size) * rows * block_size + (r + i) % block_size - r).to(device)
 
 
