@@ -933,7 +933,7 @@ class TurboQuantLayer(CacheLayerMixin):
         t = self.layout.block_size
         if count == 1 and not clamp:  # one add into a persistent buffer (the store reads it before the next such add)
             return torch.add(self._row_slots, self._slot_shift(start), out=self._step_slots)
-        if not clamp and count <= SLOT_TABLE_TOKENS:  # 2 device ops, not 7
+        if not clamp and type(count) is int and count <= SLOT_TABLE_TOKENS:  # 2 device ops, not 7 (traced: a SymInt)
             width = max(16, 1 << (count - 1).bit_length())
             offsets = _slot_offsets(t, self.rows, str(self.device), width)[start % t, :count]
             return (self._row_slots[:, None] + offsets).add_(self._slot_shift(start)).flatten()
