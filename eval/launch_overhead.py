@@ -66,29 +66,6 @@ def _layer_with_held_launches(preset: str, context: int, device: str = "cuda"):
     return cache.layers[0], seen[HeldStore], seen[HeldAttention]
 
 
-def _by_tensors(layer, store_call, attention_call):
-    """The held launches as they were before addresses: every tensor passed as a tensor (Triton's launcher converts
-    each)."""
-    from tq_hf.kernels import attention, store
-
-    held_s, held_a = layer.launches.store, layer.launches.attention
-    key, value, start, slot_shift = store_call
-    query, out, recent_from = attention_call
-    pool, _, slots, _, ring_k, ring_v, seq_lens, positions = held_s._tensors
-    sp, ap = held_s._plan, held_a._plan
-
-    def store_launch():
-        sp.site(*store._store_arguments(key, value, slots, slot_shift, held_s._lasting, ring_k, ring_v, sp.ring_scalars,
-                                        start, seq_lens if seq_lens is not None else slots, sp.tokens_per_row,
-                                        positions))
-
-    def attention_launch():
-        ap.attention(*attention._call_arguments(query, out, held_a._middle, recent_from, ap.scalars))
-        if ap.split:
-            ap.reduce(*held_a._partials, out, *out.stride()[:3], ap.ns_all, ap.vrot)
-    return store_launch, attention_launch
-
-
 def _same_writes(first, second, targets: list[torch.Tensor]) -> bool:
     """Whether `first` and `second` write the same bytes into `targets`, each poisoned before (so a launch that
     writes nothing shows), and both write something; the targets are restored after."""
@@ -123,11 +100,11 @@ def measure(preset: str, context: int, launches: int, rounds: int) -> list[dict]
     held_s, held_a = layer.launches.store, layer.launches.attention
     if not (held_s._plan.site.direct() and held_a._plan.attention.direct()):
         raise RuntimeError("the held launches do not take the direct path here (Triton version, launch hooks)")
-    old_store, old_attention = _by_tensors(layer, store_call, attention_call)
     pool, _, _, _, ring_k, ring_v, seq_lens, _ = held_s._tensors
     ways = {  # each way's launches and what they write
-        "attention + reduction": (old_attention, lambda: held_a.launch(*attention_call), [attention_call[1]]),
-        "store": (old_store, lambda: held_s.launch(*store_call),
+        "attention + reduction": (lambda: held_a.launch_tensors(*attention_call), lambda: held_a.launch(*attention_call),
+                                  [attention_call[1]]),
+        "store": (lambda: held_s.launch_tensors(*store_call), lambda: held_s.launch(*store_call),
                   [t for t in (pool, ring_k, ring_v, seq_lens) if t is not None]),
     }
     rows = []

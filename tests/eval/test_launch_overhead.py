@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from eval.host_overhead import LAUNCHES, stubbed_launches
-from eval.launch_overhead import _by_tensors, _layer_with_held_launches, _same_writes
+from eval.launch_overhead import _layer_with_held_launches, _same_writes
 
 
 def test_the_cache_holds_its_launches_and_the_tensor_way_replays_them():
@@ -14,14 +14,14 @@ def test_the_cache_holds_its_launches_and_the_tensor_way_replays_them():
     calls replay through both ways, and the tensor way launches what a held step does (store, attention, reduction)."""
     with stubbed_launches():
         layer, store_call, attention_call = _layer_with_held_launches("4bit", 300, device="cpu")
-        store, attention = _by_tensors(layer, store_call, attention_call)
+        held_s, held_a = layer.launches.store, layer.launches.attention
         before = LAUNCHES[0]
-        store()
-        attention()
+        held_s.launch_tensors(*store_call)
+        held_a.launch_tensors(*attention_call)
         by_tensors = LAUNCHES[0] - before
-        layer.launches.store.launch(*store_call)
-        layer.launches.attention.launch(*attention_call)
-        assert LAUNCHES[0] - before == 2 * by_tensors and by_tensors == 2 + layer.launches.attention._plan.split
+        held_s.launch(*store_call)
+        held_a.launch(*attention_call)
+        assert LAUNCHES[0] - before == 2 * by_tensors and by_tensors == 2 + held_a._plan.split
 
 
 def test_same_writes_needs_equal_bytes_and_a_write():

@@ -163,10 +163,16 @@ class HeldAttention:
                     pout, plse, vrot = self._reduce_at
                     reduce.run_direct(pout, plse, o_at, *out.stride()[:3], plan.ns_all, vrot)
                 return out
-            site(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
-            if plan.split:
-                reduce(*self._partials, out, *out.stride()[:3], plan.ns_all, plan.vrot)
+            self.launch_tensors(query, out, recent_from)
         return out
+
+    def launch_tensors(self, query: torch.Tensor, out: torch.Tensor, recent_from: int) -> None:
+        """The held call with every tensor passed as a tensor (Triton's own path, or the direct one converting each;
+        eval.launch_overhead times it against launch's addresses)."""
+        plan = self._plan
+        plan.attention(*_call_arguments(query, out, self._middle, recent_from, plan.scalars))
+        if plan.split:
+            plan.reduce(*self._partials, out, *out.stride()[:3], plan.ns_all, plan.vrot)
 
 
 def _check_recent_from(recent_from) -> None:

@@ -505,7 +505,7 @@ class HeldStore:
         """The held call with new tokens at `start`, their slots shifted by `slot_shift`."""
         _check_positions(start, slot_shift)
         plan = self._plan
-        pool, _, slots, _, ring_k, ring_v, seq_lens, positions = self._tensors
+        pool, _, _, _, ring_k, ring_v, _, _ = self._tensors
         with device_of(pool):
             site = plan.site
             if site.direct():  # addresses: no driver lookup per tensor
@@ -514,8 +514,15 @@ class HeldStore:
                                                   plan.ring_scalars, start, seq_at, plan.tokens_per_row, pos_at,
                                                   key.data_ptr(), value.data_ptr()))
                 return
-            site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v, plan.ring_scalars,
-                                   start, seq_lens if seq_lens is not None else slots, plan.tokens_per_row, positions))
+            self.launch_tensors(key, value, start, slot_shift)
+
+    def launch_tensors(self, key: torch.Tensor, value: torch.Tensor, start: int, slot_shift: int = 0) -> None:
+        """The held call with every tensor passed as a tensor (Triton's own path, or the direct one converting each;
+        eval.launch_overhead times it against launch's addresses)."""
+        plan = self._plan
+        _, _, slots, _, ring_k, ring_v, seq_lens, positions = self._tensors
+        plan.site(*_store_arguments(key, value, slots, slot_shift, self._lasting, ring_k, ring_v, plan.ring_scalars,
+                                    start, seq_lens if seq_lens is not None else slots, plan.tokens_per_row, positions))
 
 
 @dataclasses.dataclass(slots=True)
