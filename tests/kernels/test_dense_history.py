@@ -341,3 +341,31 @@ def test_no_room_for_the_dense_copy_falls_back_to_the_unified_kernel(monkeypatch
     monkeypatch.setattr(kernels, "unified_attention", lambda *a, **k: calls.append("unified") or "unified result")
     assert ops.paged_attention(q, pool, layout, table, seq, 0.125, length=300) == "unified result"
     assert calls == ["dense", "unified"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["4bit", "k3v4"])
+def test_dequantize_plan_relaunched_across_lengths_gpu(preset, monkeypatch):
+    """One dequantization plan launched directly at several lengths (chunks of a prefill, a chat's turns) writes
+    each length's positions as reference.gather has them, and nothing past them; lengths Triton compiles otherwise
+    (divisible by 16, 1) in plans of their own."""
+    dequantize_module = __import__("tq_hf.kernels.dequantize", fromlist=["_PLANS"])
+    monkeypatch.setattr(dequantize_module, "_PLANS", type(dequantize_module._PLANS)())
+    layout = make_layout(preset, 2, 128, **LEVERS[preset])
+    offset = torch.randn(2, 128, device="cuda") if layout.config.key_centering else None
+    pool, table = fill_cache(layout, [300, 300], "cuda", key_offset=offset)
+    rot = reference.key_codec(layout.config, 128, "cuda")
+    rot = None if rot is None else rot.rotation
+    vrot = reference.value_rotation_matrix(layout.config, 128, "cuda")
+    rotated = None if offset is None else offset @ rot.T
+    want_k, want_v = reference.gather(pool, layout, table, offset)
+    for length in (37, 45, 211, 48, 1, 299, 53):
+        buffers = [torch.full((2, 2, length + 3, 128), float("nan"), device="cuda") for _ in range(2)]
+        k, v = dequantize_rotated(pool, layout, table, length, torch.float32, rotated,
+                                  out=tuple(b[:, :, :length] for b in buffers))
+        assert all(b[:, :, length:].isnan().all() for b in buffers), f"length {length}: wrote past it"
+        for name, got, want in (("keys", k if rot is None else k @ rot, want_k),
+                                ("values", v if vrot is None else v @ vrot, want_v)):
+            torch.testing.assert_close(got, want[:, :, :length], atol=2e-5, rtol=1e-5,
+                                       msg=lambda m: f"{name} at length {length}: {m}")
+    assert len(dequantize_module._PLANS) == 3, "one plan per kind of length: not divisible by 16, divisible, 1"

@@ -7,6 +7,8 @@ tensors per call, a pointer of another alignment and a launch hook installed.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from tq_hf.kernels import store_kv, unified_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, compare_pools, default_scale, fill_cache, make_layout,
                             rel_error)
+
+dequantize_kernel = importlib.import_module("tq_hf.kernels.dequantize")  # (the package exports a function of that name)
 
 
 class FakeDriver:
@@ -171,6 +175,32 @@ def test_held_store_launches_by_address_on_the_direct_path(fake_triton, monkeypa
     (run,) = compiled.runs
     assert run[9:] == (*fast_launch.addresses(want), "CONSTEXPRS")
     assert not any(isinstance(a, torch.Tensor) for a in run)
+
+
+def test_dequantize_plan_serves_every_length_of_a_kind(fake_triton, monkeypatch):
+    """The dense route's dequantization launches through one plan for lengths Triton compiles alike (grid set per
+    call: a block per T positions), a new plan where the variant differs (a length divisible by 16) or the kind
+    of offset does."""
+    monkeypatch.setattr(dequantize_kernel, "_PLANS", fast_launch.PlanCache())
+    names = dequantize_kernel._dequantize_kernel.arg_names  # the runtime arguments, then the constexprs from H
+    kernel = FakeKernel(names, list(range(names.index("H"), len(names))))
+    monkeypatch.setattr(dequantize_kernel, "_dequantize_kernel", kernel)
+    layout = make_layout("4bit", 2, 64)
+    pool = layout.allocate(6, DEVICE)
+    table = torch.arange(6, dtype=torch.int32, device=DEVICE).view(2, 3)
+    k, v = dequantize_kernel.dequantize_rotated(pool, layout, table, 37, torch.float16)
+    k2, v2 = dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16)
+    assert len(kernel.jit_calls) == 1 and len(dequantize_kernel._PLANS) == 1
+    (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
+    t = layout.block_size
+    assert grid == (-(-37 // t), 2, 2) and run[:3] == (-(-45 // t), 2, 2)
+    assert args[3] is k and args[-1] == 37
+    passed = run[9:9 + len(args)]  # (the constexprs follow)
+    assert passed[:3] == (pool, table, 3) and passed[3] is k2 and passed[4] is v2
+    assert passed[5:8] == k2.stride()[:3] and passed[-1] == 45
+    dequantize_kernel.dequantize_rotated(pool, layout, table, 48, torch.float16)  # divisible by 16
+    dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16, torch.zeros(2, 64))
+    assert len(dequantize_kernel._PLANS) == 3 and len(kernel.jit_calls) == 3
 
 
 @pytest.mark.parametrize("case", ["unverified triton", "constexpr among the arguments", "constexpr by default"])

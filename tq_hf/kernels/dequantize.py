@@ -22,7 +22,7 @@ from .. import reference
 from ..layout import BlockLayout, key_planes, value_planes
 from .checks import check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
-from .fast_launch import device_of
+from .fast_launch import LaunchSite, PlanCache, device_of, int_key, pointer_key
 
 DEQUANT_WARPS = 4  # per program of one block and head (docs/performance.md)
 CENTROID_LOADS = False  # key centroids gathered in registers (else a load per code; docs/performance.md)
@@ -203,7 +203,6 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     (fp32). out: the two buffers to write (that shape and dtype, D contiguous; default: new ones). The caller
     checks the arguments (history.py); the pool's bytes are read as they are."""
     rows, h, d, t = block_table.shape[0], layout.num_kv_heads, layout.head_dim, layout.block_size
-    cfg = layout.config
     if out is None:
         k = torch.empty(rows, h, length, d, dtype=dtype, device=pool.device)
         v = torch.empty_like(k)
@@ -215,26 +214,48 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
                              f"D contiguous; got {list(k.shape)} {k.dtype} and {list(v.shape)} {v.dtype}")
     if rows == 0 or length == 0:
         return k, v
-    device = str(pool.device)
-    kg, vg = code_groups(layout, False, device), code_groups(layout, True, device)
-    kp = kg if kg is not None else code_pieces(layout, False, device)
-    vp = vg if vg is not None else code_pieces(layout, True, device)
-    cent = codec_tensors(layout, device)[3]
-    koff = key_offset.float().contiguous() if key_offset is not None else cent
-    s_koff = h * d if key_offset is not None and key_offset.dim() == 3 else 0
-    blocks = -(-length // t)
+    koff = key_offset.float().contiguous() if key_offset is not None else None
+    s_koff = h * d if koff is not None and koff.dim() == 3 else 0
+    # the grid follows the length, the compiled variant only what int_key / pointer_key tell of each argument: one
+    # plan serves every length of a kind (chunked prefill, a chat's turns) without Triton's per-call binding
+    ints = (block_table.stride(0), k.stride(0), k.stride(1), k.stride(2), s_koff, length)
+    cent, kp, vp = _codec(layout, str(pool.device))
+    koff = koff if koff is not None else cent  # (not read without an offset)
+    key = (layout, dtype, key_offset is not None, *map(pointer_key, (pool, block_table, k, v, koff)),
+           *map(int_key, ints))
+    site = _PLANS.get(key)
+    if site is None:
+        site = _PLANS.put(key, _dequantize_site(layout, str(pool.device), dtype, key_offset is not None))
     with device_of(pool):
-        _dequantize_kernel[(blocks, h, rows)](
-            pool, block_table, block_table.stride(0), k, v, k.stride(0), k.stride(1), k.stride(2), koff, s_koff, cent,
-            kp, vp, length,
-            H=h, T=t, D=d, DP=next_pow2(d), KB=layout.key_bytes, VB=layout.value_bytes,
-            KBP=next_pow2(layout.key_bytes), VBP=next_pow2(layout.value_bytes), META=layout.metadata_offset,
-            PLANE=layout.plane_bytes, KEY_FP8=not cfg.uses_codebook, KEY_PIECES=_pieces_in_use(layout, False),
-            VALUE_PIECES=_pieces_in_use(layout, True), KEY_GROUPS=0 if kg is None else kg.shape[0],
-            VALUE_GROUPS=0 if vg is None else vg.shape[0], MAXP=MAX_PIECES,
-            VALUE_HALF=((1 << cfg.value_bits) - 1) / 2, CODES=cent.numel(), CENT_LOAD=CENTROID_LOADS,
-            HAS_KOFF=key_offset is not None, SATURATE=dtype == torch.float16, num_warps=DEQUANT_WARPS)
+        site.regrid((-(-length // t), h, rows))(pool, block_table, ints[0], k, v, *ints[1:4], koff, s_koff, cent, kp,
+                                                 vp, length)
     return k, v
+
+
+_PLANS = PlanCache()
+
+
+@functools.lru_cache(maxsize=None)
+def _codec(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(centroids, key pieces, value pieces) as the kernel reads them: code_groups where they apply, else
+    code_pieces."""
+    kg, vg = code_groups(layout, False, device), code_groups(layout, True, device)
+    return (codec_tensors(layout, device)[3], kg if kg is not None else code_pieces(layout, False, device),
+            vg if vg is not None else code_pieces(layout, True, device))
+
+
+def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_offset: bool) -> LaunchSite:
+    """The launch of _dequantize_kernel for this format and output dtype (its grid set per call)."""
+    cfg, d = layout.config, layout.head_dim
+    kg, vg = code_groups(layout, False, device), code_groups(layout, True, device)
+    return LaunchSite(_dequantize_kernel, (1, 1, 1), dict(
+        H=layout.num_kv_heads, T=layout.block_size, D=d, DP=next_pow2(d), KB=layout.key_bytes, VB=layout.value_bytes,
+        KBP=next_pow2(layout.key_bytes), VBP=next_pow2(layout.value_bytes), META=layout.metadata_offset,
+        PLANE=layout.plane_bytes, KEY_FP8=not cfg.uses_codebook, KEY_PIECES=_pieces_in_use(layout, False),
+        VALUE_PIECES=_pieces_in_use(layout, True), KEY_GROUPS=0 if kg is None else kg.shape[0],
+        VALUE_GROUPS=0 if vg is None else vg.shape[0], MAXP=MAX_PIECES, VALUE_HALF=((1 << cfg.value_bits) - 1) / 2,
+        CODES=_codec(layout, device)[0].numel(), CENT_LOAD=CENTROID_LOADS, HAS_KOFF=has_offset,
+        SATURATE=dtype == torch.float16, num_warps=DEQUANT_WARPS))
 
 
 def rotated_mean(layout: BlockLayout, key_offset: torch.Tensor | None) -> torch.Tensor | None:

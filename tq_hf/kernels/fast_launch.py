@@ -58,6 +58,12 @@ class LaunchSite:
         current one and no launch hook is installed."""
         return self._kernel is not None and _driver().get_current_device() == self._device and not _hooks_installed()
 
+    def regrid(self, grid: tuple[int, int, int]) -> "LaunchSite":
+        """This site with `grid` for its next calls: for a launch whose grid follows a length that its compiled variant
+        does not depend on (the caller's plan key says which variant)."""
+        self.grid = grid
+        return self
+
     def run_direct(self, *args) -> None:
         """The compiled kernel's launcher with these runtime arguments, after direct() said yes. A pointer argument
         may be an address (addresses()) instead of a tensor: the launcher then skips the tensor's data_ptr() call
@@ -85,6 +91,18 @@ def addresses(args: tuple) -> tuple:
     """args with every tensor replaced by its address (data_ptr()): what LaunchSite.run_direct may take for tensors
     the caller keeps alive (a held launch's lasting arguments, computed once)."""
     return tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def int_key(v: int) -> tuple[bool, bool, bool]:
+    """What Triton specializes an int launch argument on (unless told not to): being 1, divisibility by 16, the 32-bit
+    range. A plan keyed on it adopts the variant that serves every value of the same key."""
+    return v == 1, v % 16 == 0, -(1 << 31) <= v < (1 << 31)
+
+
+def pointer_key(t: torch.Tensor) -> tuple:
+    """What of a tensor argument decides the compiled variant when its shape and strides do not: dtype, device and
+    16-byte alignment."""
+    return t.dtype, t.get_device(), t.data_ptr() & 15
 
 
 def device_of(t: torch.Tensor):
