@@ -216,8 +216,8 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
         return k, v
     koff = key_offset.float().contiguous() if key_offset is not None else None
     s_koff = h * d if koff is not None and koff.dim() == 3 else 0
-    # the grid follows the length, the compiled variant only what int_key / pointer_key tell of each argument: one
-    # plan serves every length of a kind (chunked prefill, a chat's turns) without Triton's per-call binding
+    # the grid follows the length; the compiled variant follows only what int_key / pointer_key tell of each
+    # argument, so one plan serves every length of a kind (chunked prefill, a chat's turns) without Triton's binder
     ints = (block_table.stride(0), k.stride(0), k.stride(1), k.stride(2), s_koff, length)
     cent, kp, vp = _codec(layout, str(pool.device))
     koff = koff if koff is not None else cent  # (not read without an offset)
