@@ -124,8 +124,11 @@ def _check(preset, head_dim, rows, length, q_len, group, dtype, prefix_len=0, re
     got = dense_history_attention(query, pool, layout, table, seq_lens, scale, length, out=out, key_offset=offset, **kw)
     assert got is out
     # K/V, the rotation matrices and the rotated query are rounded to the query's dtype before the products (the
-    # unified kernel keeps fp32 there): three roundings of that dtype besides the output's
-    err, tol = rel_error(got, want), 3 * attention_tolerance(dtype, want)
+    # unified kernel keeps fp32 there): three roundings of that dtype besides the output's; on CUDA flash / cuDNN
+    # attention round the probabilities to fp16 / bf16 before the values' product, a fourth (4bit, D=64, 20 bf16
+    # queries on an H100: 8.6e-3 against three roundings' 7.7e-3)
+    roundings = 4 if query.is_cuda and dtype in (torch.float16, torch.bfloat16) else 3
+    err, tol = rel_error(got, want), roundings * attention_tolerance(dtype, want)
     assert err <= tol, f"relative error {err:.3e} > {tol:.3e} ({preset}, D={head_dim}, Lq={q_len}, {dtype})"
 
 
