@@ -15,7 +15,8 @@ One measurement = a fresh cache, then generate() of 1 + --new-tokens tokens from
 prompt of S tokens per row (batch B), greedy, no early stop. A logits processor stamps the time
 (after a device sync) at every step: prefill = first stamp - start; decode ms/token = median of
 the step-to-step gaps. Warm-up: --warmup identical runs first, over exactly the lengths timed
-(the first decode at a new KV length can cost ~40 ms while cuDNN SDPA plans that shape). The
+(the first decode at a new KV length can cost ~40 ms while cuDNN SDPA plans that shape); they warm
+the CUDA allocator too, which is emptied once per cache and point, not before each run. The
 figures are the minimum over --repeats runs. Peak KV-side memory = peak allocated during the run
 minus what was allocated before it (weights), so it includes prefill activations; cache bytes =
 what the cache holds at the end (TurboQuantCache.memory_footprint, or the stored tensors).
@@ -228,8 +229,7 @@ def one_run(model, spec, prompt: torch.Tensor, new_tokens: int, device: str, cac
         cache.reset()
         extra = {"compile_config": compile_config(device)} if compile_config(device) is not None else {}
     clock = StepClock(device)
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+    if device.startswith("cuda"):  # (the allocator stays warm: a user's next generate() finds its blocks cached)
         torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated() if device.startswith("cuda") else 0
     synchronize(device)
@@ -309,6 +309,8 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     vocab = model.config.get_text_config(decoder=True).vocab_size
     prompt = torch.randint(0, vocab, (batch, context), generator=g).to(args.device)
     cache = None
+    if args.device.startswith("cuda"):  # what earlier caches and points left cached goes back first
+        torch.cuda.empty_cache()
     if spec.name.endswith(COMPILED):  # one cache for every run (static addresses); graphs from other points dropped
         torch._dynamo.reset()
         turn2 = args.turn2_tokens + 1 if args.turn2_tokens else 0  # a next turn's tokens and its answer
