@@ -9,6 +9,7 @@ from the wrong place shows.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from tq_hf import ops, reference
 from tq_hf.layout import key_planes, value_planes
 from tq_hf.kernels import dense_history_attention, dense_history_serves, history
 from tq_hf.kernels.dequantize import code_pieces, dequantize, dequantize_rotated
+from tq_hf.kernels.fast_launch import PlanCache
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, fill_cache, make_layout,
                             poisoned_exact_buffers, rel_error)
@@ -352,8 +354,8 @@ def test_dequantize_plan_relaunched_across_lengths_gpu(preset, monkeypatch):
     """One dequantization plan launched directly at several lengths (chunks of a prefill, a chat's turns) writes
     each length's positions as reference.gather has them, and nothing past them; lengths Triton compiles otherwise
     (divisible by 16, 1) in plans of their own."""
-    dequantize_module = __import__("tq_hf.kernels.dequantize", fromlist=["_PLANS"])
-    monkeypatch.setattr(dequantize_module, "_PLANS", type(dequantize_module._PLANS)())
+    dequantize_module = importlib.import_module("tq_hf.kernels.dequantize")  # (the package exports a function so named)
+    monkeypatch.setattr(dequantize_module, "_PLANS", PlanCache())
     layout = make_layout(preset, 2, 128, **LEVERS[preset])
     offset = torch.randn(2, 128, device="cuda") if layout.config.key_centering else None
     pool, table = fill_cache(layout, [300, 300], "cuda", key_offset=offset)
