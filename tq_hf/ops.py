@@ -194,9 +194,10 @@ def gather(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
     return reference.gather(pool, layout, block_table, key_offset)
 
 
-def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, key_offset: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.ring_window (a forward's exact window from the ring and its new tokens); the kernel on CUDA, one launch.
-    key_offset: the key-centering mean int8 key records were taken less of (ignored for an exact ring, which holds
+def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int,
+                key_offset: torch.Tensor | None = None) -> torch.Tensor:
+    """reference.ring_window (a forward's exact window from the ring and its new tokens); the kernel on CUDA, one
+    launch. key_offset: the key-centering mean int8 key records were taken less of (ignored for an exact ring, which holds
     the keys themselves). Traced, the torch ops (dynamo sees through them)."""
     offset = key_offset if ring.dtype == torch.int8 else None
     if use_kernels(new) and not torch.compiler.is_compiling():

@@ -497,8 +497,9 @@ class HeldStore:
         self._key_kind, self._value_kind = argument_key(key), argument_key(value)
         _, _, slots, _, ring_k, ring_v, seq_lens, positions = tensors
         # the lasting tensors' addresses for direct launches (absent rings: the tokens' own, per call)
+        seq_or_slots = seq_lens if seq_lens is not None else slots
         slots_at, ring_k_at, ring_v_at, seq_at, pos_at = addresses(
-            (slots, ring_k, ring_v, seq_lens if seq_lens is not None else slots, positions if positions is not None else slots))
+            (slots, ring_k, ring_v, seq_or_slots, positions if positions is not None else slots))
         self._at = (slots_at, addresses(lasting), ring_k_at, ring_v_at, seq_at, pos_at)
 
     def launch(self, key: torch.Tensor, value: torch.Tensor, start: int, slot_shift: int = 0) -> None:

@@ -63,8 +63,9 @@ def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, offset: torch
     w = ring.shape[2]
     q8 = ring.dtype == torch.int8
     if ring.dim() != 4 or ring.shape[:2] != (b, h) or ring.shape[3] != (ring_record_bytes(d) if q8 else d):
-        raise ValueError(f"ring must be [B, H, W, {ring_record_bytes(d) if q8 else d}] for new tokens {tuple(new.shape)}"
-                         f" ({'int8 records' if q8 else 'exact vectors'}), got {tuple(ring.shape)}")
+        width = ring_record_bytes(d) if q8 else d
+        raise ValueError(f"ring must be [B, H, W, {width}] for new tokens {tuple(new.shape)} "
+                         f"({'int8 records' if q8 else 'exact vectors'}), got {tuple(ring.shape)}")
     if w < 1 or m < 1 or d % RING_GROUP or type(start) is not int:
         raise ValueError(f"ring_window needs W >= 1 ring slots, >= 1 new tokens, a head_dim divisible by {RING_GROUP} "
                          f"and a host int start; got W {w}, {m} new, head_dim {d}, start {start!r}")
