@@ -472,6 +472,9 @@ def without_out_dir(argv: list[str]) -> list[str]:
     return out
 
 
+RUN_ENVIRONMENT = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING")
+
+
 def run_metadata(module: str, argv: list[str] | None) -> dict:
     """Command, versions, machine and time: what a results file needs to be reproduced."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -488,7 +491,9 @@ def run_metadata(module: str, argv: list[str] | None) -> dict:
         commit = None
     cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {
-        "command": "python -m " + " ".join([module, *map(shlex.quote, argv)]),
+        # environment settings that change the figures travel with the command
+        "command": " ".join([*(f"{k}={shlex.quote(os.environ[k])}" for k in RUN_ENVIRONMENT if os.environ.get(k)),
+                             "python -m", module, *map(shlex.quote, argv)]),
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit,
         "python": platform.python_version(),

@@ -105,11 +105,20 @@ def test_random_model_spec_parsing():
         common.parse_random_spec("random:tiny,depth=3")
 
 
-def test_run_metadata_records_command_and_versions():
+def test_run_metadata_records_command_and_versions(monkeypatch):
+    for name in common.RUN_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
     meta = common.run_metadata("eval.perplexity", ["--out", "a b"])
     assert meta["command"] == "python -m eval.perplexity --out 'a b'"
     assert meta["versions"]["torch"] == torch.__version__.split("+")[0] or meta["versions"]["torch"]
     assert "transformers" in meta["versions"]
+
+
+def test_run_metadata_command_carries_the_allocator_setting(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)  # the other recorded setting
+    meta = common.run_metadata("eval.speed", ["--points", "1x4096"])
+    assert meta["command"] == "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m eval.speed --points 1x4096"
 
 
 @pytest.mark.parametrize("module", ["perplexity", "needle", "speed"])
@@ -121,6 +130,7 @@ def test_help_describes_the_command(module, capsys):
         mod.parse_args(["--help"])
     assert exit_info.value.code == 0
     assert f"python -m eval.{module}" in capsys.readouterr().out
+
 
 
 def test_bytes_per_token_leave_out_window_capped_layers():
