@@ -61,7 +61,10 @@ RANDOM_SHAPES: dict[str, dict[str, int]] = {
 
 
 def parse_random_spec(spec: str) -> dict[str, int]:
-    """"random:<base>[,key=value...]" -> shape dict (keys of RANDOM_SHAPES entries)."""
+    """"random:<base>[,key=value...]" -> shape dict (keys of RANDOM_SHAPES entries); "random" alone is tiny."""
+    if spec != "random" and not spec.startswith("random:"):  # a bare shape name would otherwise read as tiny
+        raise ValueError(f"random model spec {spec!r} must be 'random' or 'random:<shape>[,key=int...]' with shapes "
+                         f"{', '.join(RANDOM_SHAPES)}")
     body = spec.split(":", 1)[1] if ":" in spec else ""
     parts = [p for p in body.split(",") if p]
     base = "tiny"

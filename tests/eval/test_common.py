@@ -103,6 +103,9 @@ def test_random_model_spec_parsing():
         common.parse_random_spec("random:gpt5")
     with pytest.raises(ValueError, match="key=int"):
         common.parse_random_spec("random:tiny,depth=3")
+    with pytest.raises(ValueError, match="must be 'random' or 'random:<shape>"):
+        common.parse_random_spec("llama-3.1-8b,layers=8")
+    assert common.parse_random_spec("random") == common.parse_random_spec("random:tiny")
 
 
 def test_run_metadata_records_command_and_versions(monkeypatch):
