@@ -12,7 +12,7 @@ from tq_hf.kernels.decode_warps import _warp_kernel
 from tq_hf.kernels.device import H200, INTERPRETER
 from tq_hf.kernels.unified import _attn_kernel
 
-from kernel_helpers import make_layout
+from kernel_helpers import make_layout, recent_ring
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
@@ -305,3 +305,26 @@ def test_fp8_keys_at_head_dim_256_walk_in_8_warps_from_16_rows(kv_heads, batch, 
     assert (plan.constants["num_warps"], plan.constants.get("maxnreg")) == (warps, maxnreg)
     forced = plan_attention(q, *rest, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(num_warps=4))
     assert forced.constants["num_warps"] == 4
+
+
+@pytest.mark.parametrize("preset,batch,q_len,grid,maxnreg", [
+    ("3bit", 1, 8, 2 * 24, 168), ("k3v4", 1, 5, 2 * 24, 168),  # two 16-row tiles x 8 KV heads: 3 x 132 // 16 splits
+    ("3bit", 2, 8, 2 * 8, None),  # a second row: power-of-two splits, uncapped
+    ("3bit", 1, 4, 32 + 1, None),  # one 16-row tile: 32 splits and the exact tokens' program
+])
+def test_three_bit_verification_fills_one_wave_of_three_programs_per_sm(preset, batch, q_len, grid, maxnreg):
+    """3-bit keys with the levers, 5-8 new tokens at B=1 on an H200: each KV head's two 16-row tiles run in 168
+    registers (3 programs per SM) with as many splits as fill one wave of them; elsewhere the power-of-two splits
+    stay, uncapped; an override decides."""
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
+    ring_k, ring_v = recent_ring(layout, batch, 128 + q_len, torch.float16, "cpu")
+    args = (torch.randn(batch, 32, q_len, 128, dtype=torch.float16), layout.allocate(1, "cpu"), layout, table,
+            torch.full((batch,), 32768), 0.088)
+    kwargs = dict(max_seq_len=32768, device_traits=H200, key_offset=torch.zeros(batch, 8, 128), recent_keys=ring_k,
+                  recent_values=ring_v)
+    plan = plan_attention(*args, **kwargs)
+    assert (plan.constants["BLOCK_M"], plan.grid[0], plan.constants.get("maxnreg")) == (16, grid, maxnreg)
+    if maxnreg:  # uncapped: 2 programs per SM, the power-of-two splits (16) for 3 waves
+        uncapped = plan_attention(*args, **kwargs, launch=LaunchConfig(maxnreg=0))
+        assert (uncapped.grid[0], uncapped.constants.get("maxnreg")) == (2 * 16, None)

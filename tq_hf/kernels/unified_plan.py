@@ -64,7 +64,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
     pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
     hp = _pick(launch.head_pairs, 2 if pairs else 1)
-    verify4 = False  # a verification forward of 4-bit codebook keys on 16-row tiles (below)
+    verify4 = verify3 = False  # a verification forward of 4-bit / 3-bit keys on 16-row tiles (below)
     if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
         block_m = max(16, next_pow2(rows))
         if cfg.key_bits == 8 and d == 128 and on_gpu:
@@ -76,6 +76,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # 32/8/128, H200): 3bit 0.119 against 0.175 ms for one 32-row tile (ptxas: no spills, against 1,272 B per
             # thread), k3v4 0.0702 against 0.0724
             block_m = 16
+        verify3 = cfg.key_bits == 3 and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
         verify4 = words is not None and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
         if verify4:
             # 4-bit codebook keys, 5-8 queries x GQA 4 with the levers: two 16-row tiles by key and value words, each
@@ -101,6 +102,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # a verification forward's two 16-row tiles at B=1: 128 registers, 4 programs per SM, and splits for
             # them (below): S=32k, 8 queries (H100) 0.0621 -> 0.0595 ms; the cap alone 0.0697, the splits alone 0.0702
             maxnreg = 128
+        elif verify3 and b * hk <= 8:
+            # 3-bit keys' two 16-row tiles at B=1: 168 registers hold 3 programs per SM, and splits fill one wave of
+            # them (below): S=32k, 8 queries (H100) 3bit 0.0788 -> 0.0749 ms, k3v4 0.0638 -> 0.0600; the cap alone
+            # 0.0826 (3bit), 24 splits alone 0.105 (1.45 waves of 2 per SM)
+            maxnreg = 168
         elif cfg.key_bits == 8 and d == 64 and on_gpu and not batch_fills_gpu:
             # FP8 keys at head_dim 64 with token-pair metadata: 128 registers under the levers (uncapped 1.3-1.5x)
             maxnreg = None if plain_format else 128
@@ -204,6 +210,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # (several row tiles too: a chunk of queries over a long history, which few programs would walk alone)
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
         num_splits = 1 << (want.bit_length() - 1)
+        if verify3 and maxnreg == 168:  # one full wave of 3 programs per SM, not a power of two (24 at 8 KV heads)
+            num_splits = max(1, min(3 * sms // programs, kv_tiles))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if (decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
