@@ -1207,6 +1207,18 @@ def test_recent_window_real_size_gpu(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset,q_len,length", [("3bit", 8, 32768), ("k3v4", 5, 32768 - 77), ("3bit", 8, 3001)])
+def test_three_bit_verification_splits_gpu(preset, q_len, length):
+    """A 3-bit verification forward at B=1 with the levers (168 registers, 24 splits over 32k: a split count that
+    is not a power of two, so splits of unequal tile counts; over 3k, sized for 32k, most splits empty) against the
+    reference."""
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    kw = _fidelity_options(layout, 4, "cuda")
+    _check(layout, [length], q_len, 4, dtype=torch.float16, device="cuda", max_seq_len=32768, prefix_len=4,
+           recent=(128 + q_len, 0), **kw)
+
+
+@pytest.mark.gpu
 def test_recent_window_cuda_graph_capture_gpu():
     layout = make_layout("4bit", 8, 128, key_centering=True, value_rotation=True)
     kw = _fidelity_options(layout, 4, "cuda")
