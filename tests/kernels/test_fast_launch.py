@@ -203,6 +203,33 @@ def test_dequantize_plan_serves_every_length_of_a_kind(fake_triton, monkeypatch)
     assert len(dequantize_kernel._PLANS) == 3 and len(kernel.jit_calls) == 3
 
 
+def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypatch):
+    """A forward's exact window launches through one plan for new-token counts Triton compiles alike (a chat's next
+    turns: grid set per call, a program per 16 slots), a new plan where the variant differs (16 new tokens, one
+    new token) or the ring's kind does."""
+    window_kernel = importlib.import_module("tq_hf.kernels.window")
+    monkeypatch.setattr(window_kernel, "_PLANS", fast_launch.PlanCache())
+    names = window_kernel._window_kernel.arg_names  # the runtime arguments, then the constexprs from D
+    kernel = FakeKernel(names, list(range(names.index("D"), len(names))))
+    monkeypatch.setattr(window_kernel, "_window_kernel", kernel)
+    ring = torch.randn(1, 2, 24, 64, dtype=torch.float16)
+    first = window_kernel.ring_window(ring, torch.randn(1, 2, 37, 64, dtype=torch.float16), 100)
+    new = torch.randn(1, 2, 45, 64, dtype=torch.float16)
+    second = window_kernel.ring_window(ring, new, 300)
+    assert len(kernel.jit_calls) == 1 and len(window_kernel._PLANS) == 1
+    (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
+    assert grid == (-(-(24 + 37) // 16), 2, 1) and run[:3] == (-(-(24 + 45) // 16), 2, 1)
+    assert args[3] is first and args[4:7] == (100, 24, 37)
+    passed = run[9:9 + len(args)]  # (the constexprs follow)
+    assert passed[0] is ring and passed[1] is new and passed[3] is second and passed[4:7] == (300, 24, 45)
+    assert passed[7:] == (2, *ring.stride()[:3], *new.stride()[:3], 0, 0)
+    for count in (48, 1):  # divisible by 16; a single token
+        window_kernel.ring_window(ring, torch.randn(1, 2, count, 64, dtype=torch.float16), 300)
+    records = reference.encode_ring(ring.float())
+    window_kernel.ring_window(records, new, 300, torch.zeros(2, 64))
+    assert len(window_kernel._PLANS) == 4 and len(kernel.jit_calls) == 4
+
+
 @pytest.mark.parametrize("case", ["unverified triton", "constexpr among the arguments", "constexpr by default"])
 def test_launch_site_never_calls_directly_when_unsure(fake_triton, monkeypatch, case):
     names, constexprs, kwargs = ["x_ptr", "BLOCK"], [1], {"BLOCK": 16}
