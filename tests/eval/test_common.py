@@ -135,7 +135,6 @@ def test_help_describes_the_command(module, capsys):
     assert f"python -m eval.{module}" in capsys.readouterr().out
 
 
-
 def test_bytes_per_token_leave_out_window_capped_layers():
     """Sliding-window layers hold at most their window in DynamicCache(config) and in TurboQuantCache's
     default: they cost nothing per token of context; compressed sliding layers do."""
