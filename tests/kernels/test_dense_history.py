@@ -187,6 +187,27 @@ def test_rows_in_groups_and_per_row_means(monkeypatch):
     _check("4bit", 64, 3, 40, 10, 2, torch.float32, prefix_len=3, recent=(16, 0), per_row_offset=True)
 
 
+@pytest.mark.parametrize("preset,head_dim,dtype,prefix_len,recent,records,in_kernel", [
+    ("4bit", 128, torch.float16, 4, (40, 3), False, True),  # rotated keys and values (both levers), ring from 3
+    ("k3v4", 128, torch.bfloat16, 2, (30, 0), False, True),  # 3-bit key planes, value rotation
+    ("k8v4", 64, torch.float32, 3, (16, 0), False, True),  # FP8 keys: values rotated only where the lever is on
+    ("3bit", 128, torch.float16, 0, (50, 0), False, True),  # a ring longer than the history, no prefix
+    ("4bit", 64, torch.float16, 4, (24, 0), True, False),  # int8 ring records: decoded and overlaid in torch
+])
+def test_exact_tokens_overlaid_by_the_dequantization(preset, head_dim, dtype, prefix_len, recent, records, in_kernel,
+                                                     monkeypatch):
+    """The ring's and the prefix's exact tokens reach the dense history through the dequantization launch (rotated
+    there, no torch copies) wherever they are in the output dtype, else through torch; either way the attention is
+    reference.paged_attention's with the pool poisoned where they serve."""
+    copies = []
+    monkeypatch.setattr(history, "_copy_ring", lambda *a: copies.append(a) or _COPY_RING(*a))
+    _check(preset, head_dim, 2, 70, 20, 2, dtype, prefix_len, recent, ring_records=records)
+    assert bool(copies) != in_kernel
+
+
+_COPY_RING = history._copy_ring
+
+
 def test_one_sdpa_call_where_the_history_is_not_split(monkeypatch):
     """The route a GPU takes for forwards too few to fill it: one SDPA call with the causal mask at the bottom right."""
     monkeypatch.setattr(history, "splits_history", lambda *a: False)

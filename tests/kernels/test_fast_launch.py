@@ -194,13 +194,21 @@ def test_dequantize_plan_serves_every_length_of_a_kind(fake_triton, monkeypatch)
     (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
     t = layout.block_size
     assert grid == (-(-37 // t), 2, 2) and run[:3] == (-(-45 // t), 2, 2)
-    assert args[3] is k and args[-1] == 37
+    at = names.index("length")  # (the exact tokens' arguments follow it)
+    assert args[3] is k and args[at] == 37
     passed = run[9:9 + len(args)]  # (the constexprs follow)
     assert passed[:3] == (pool, table, 3) and passed[3] is k2 and passed[4] is v2
-    assert passed[5:8] == k2.stride()[:3] and passed[-1] == 45
+    assert passed[5:8] == k2.stride()[:3] and passed[at] == 45
     dequantize_kernel.dequantize_rotated(pool, layout, table, 48, torch.float16)  # divisible by 16
     dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16, torch.zeros(2, 64))
     assert len(dequantize_kernel._PLANS) == 3 and len(kernel.jit_calls) == 3
+    # exact tokens: a plan of their own, whatever position the ring starts from (lo: not specialized)
+    ring = torch.randn(2, 2, 20, 64, dtype=torch.float16)
+    for lo in (25, 32):
+        exact = dequantize_kernel.ExactTokens(ring, ring, lo, None, None, 0, None, None)
+        dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16, exact=exact)
+    assert len(dequantize_kernel._PLANS) == 4 and len(kernel.jit_calls) == 4
+    assert kernel.compiled.runs[-1][9 + names.index("lo")] == 32
 
 
 def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypatch):

@@ -31,7 +31,7 @@ from ..layout import BlockLayout
 from ..reference import ring_offset, ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
-from .dequantize import dequantize_rotated, rotated_mean
+from .dequantize import ExactTokens, dequantize_rotated, exact_overlay_fits, rotated_mean
 from .device import device_traits
 from .fast_launch import device_of
 
@@ -119,20 +119,23 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
         for r0 in range(0, b, group):
             rows = slice(r0, min(b, r0 + group))
             offset = key_offset[rows] if key_offset is not None and key_offset.dim() == 3 else key_offset
-            k, v = dequantize_rotated(pool, layout, block_table[rows], length, dtype, offset)
+            # the ring serves [lo, length), over the prefix where they meet
+            lo = length if recent_keys is None else max(recent_from, length - recent_keys.shape[2], 0)
+            p = min(prefix_len, lo)
+            exact = None if unrotate else _kernel_overlay(layout, dtype, rows, lo, p, rot_t, vrot_t, prefix_keys,
+                                                           prefix_values, recent_keys, recent_values)
+            k, v = dequantize_rotated(pool, layout, block_table[rows], length, dtype, offset, exact=exact)
             if unrotate:  # (K R^T) R = K, (V Rv^T) Rv = V; fp16 saturates as the dequantization does
                 k, v = (x if back is None else _saturated(x @ back.T) for x, back in ((k, back_k), (v, back_v)))
-            lo = length
-            if recent_keys is not None:  # the ring serves [lo, length), over the prefix where they meet
-                lo = max(recent_from, length - recent_keys.shape[2], 0)
-                ring_mean = None if mean is None or recent_keys.dtype != torch.int8 else ring_offset(
-                    mean[rows] if mean.dim() == 3 else mean)
-                _copy_ring(k, _rotated(ring_vectors(recent_keys[rows], ring_mean), rot_t, dtype), lo, length)
-                _copy_ring(v, _rotated(ring_vectors(recent_values[rows]), vrot_t, dtype), lo, length)
-            p = min(prefix_len, lo)
-            if p:
-                k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
-                v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
+            if exact is None:
+                if recent_keys is not None:
+                    ring_mean = None if mean is None or recent_keys.dtype != torch.int8 else ring_offset(
+                        mean[rows] if mean.dim() == 3 else mean)
+                    _copy_ring(k, _rotated(ring_vectors(recent_keys[rows], ring_mean), rot_t, dtype), lo, length)
+                    _copy_ring(v, _rotated(ring_vectors(recent_values[rows]), vrot_t, dtype), lo, length)
+                if p:
+                    k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
+                    v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
             o = _attend(q[rows], k, v, scale)
             if out is None:  # every row in one group and no buffer given: the attention's output is the result
                 return o if vrot is None else o @ vrot
@@ -141,6 +144,25 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
             else:
                 _matmul_into(out[rows], o, vrot)
     return out
+
+
+def _kernel_overlay(layout: BlockLayout, dtype: torch.dtype, rows: slice, lo: int, p: int, rot_t, vrot_t,
+                    prefix_keys, prefix_values, recent_keys, recent_values) -> ExactTokens | None:
+    """The exact tokens as the dequantization writes them itself (ExactTokens), or None where torch overlays them:
+    int8 ring records (decoded in torch), buffers not in the output dtype with D contiguous, or a format whose column
+    groups are too narrow for the kernel's rotation. Saves per tensor the ring's and the prefix's matmuls' copies
+    into the dense history (up to three), each a launch with its host time."""
+    buffers = [x for x in (recent_keys, recent_values, prefix_keys, prefix_values) if x is not None]
+    if not buffers or any(x.dtype != dtype or x.stride(-1) != 1 for x in buffers):
+        return None
+    pairs = ((recent_keys, recent_values), (prefix_keys, prefix_values))
+    if any(a is not None and a.stride() != b.stride() for a, b in pairs):
+        return None
+    if not exact_overlay_fits(layout, rot_t is not None, vrot_t is not None):
+        return None
+    ring = recent_keys is not None
+    return ExactTokens(recent_keys[rows] if ring else None, recent_values[rows] if ring else None, lo,
+                       prefix_keys[rows] if p else None, prefix_values[rows] if p else None, p, rot_t, vrot_t)
 
 
 def rotates_history(query: torch.Tensor, layout: BlockLayout, length: int) -> bool:
