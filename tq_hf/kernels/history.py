@@ -150,8 +150,8 @@ def _kernel_overlay(layout: BlockLayout, dtype: torch.dtype, rows: slice, lo: in
                     prefix_keys, prefix_values, recent_keys, recent_values) -> ExactTokens | None:
     """The exact tokens as the dequantization writes them itself (ExactTokens), or None where torch overlays them:
     int8 ring records (decoded in torch), buffers not in the output dtype with D contiguous, or a format whose column
-    groups are too narrow for the kernel's rotation. Saves per tensor the ring's and the prefix's matmuls' copies
-    into the dense history (up to three), each a launch with its host time."""
+    groups are too narrow for the kernel's rotation. Saves per tensor two matmuls and up to three copies into the
+    dense history, each a launch with its host time."""
     buffers = [x for x in (recent_keys, recent_values, prefix_keys, prefix_values) if x is not None]
     if not buffers or any(x.dtype != dtype or x.stride(-1) != 1 for x in buffers):
         return None
@@ -160,7 +160,7 @@ def _kernel_overlay(layout: BlockLayout, dtype: torch.dtype, rows: slice, lo: in
         return None
     if not exact_overlay_fits(layout, rot_t is not None, vrot_t is not None):
         return None
-    ring = recent_keys is not None
+    ring = recent_keys is not None and recent_keys.shape[2] > 0  # (the kernel reads slot p % n)
     return ExactTokens(recent_keys[rows] if ring else None, recent_values[rows] if ring else None, lo,
                        prefix_keys[rows] if p else None, prefix_values[rows] if p else None, p, rot_t, vrot_t)
 
