@@ -355,8 +355,8 @@ def _codec(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor
             vg if vg is not None else code_pieces(layout, True, device))
 
 
-def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_offset: bool, exact: bool = False,
-                     rotate_keys: bool = False, rotate_values: bool = False) -> LaunchSite:
+def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_offset: bool, exact: bool,
+                     rotate_keys: bool, rotate_values: bool) -> LaunchSite:
     """The launch of _dequantize_kernel for this format and output dtype (its grid set per call); exact: with
     ExactTokens (rotated where rotate_keys / rotate_values)."""
     cfg, d = layout.config, layout.head_dim
