@@ -194,21 +194,38 @@ def test_dequantize_plan_serves_every_length_of_a_kind(fake_triton, monkeypatch)
     (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
     t = layout.block_size
     assert grid == (-(-37 // t), 2, 2) and run[:3] == (-(-45 // t), 2, 2)
-    at = names.index("length")  # (the exact tokens' arguments follow it)
-    assert args[3] is k and args[at] == 37
+    assert args[3] is k and args[-1] == 37
     passed = run[9:9 + len(args)]  # (the constexprs follow)
     assert passed[:3] == (pool, table, 3) and passed[3] is k2 and passed[4] is v2
-    assert passed[5:8] == k2.stride()[:3] and passed[at] == 45
+    assert passed[5:8] == k2.stride()[:3] and passed[-1] == 45
     dequantize_kernel.dequantize_rotated(pool, layout, table, 48, torch.float16)  # divisible by 16
     dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16, torch.zeros(2, 64))
     assert len(dequantize_kernel._PLANS) == 3 and len(kernel.jit_calls) == 3
-    # exact tokens: a plan of their own, whatever position the ring starts from (lo: not specialized)
-    ring = torch.randn(2, 2, 20, 64, dtype=torch.float16)
-    for lo in (25, 32):
-        exact = dequantize_kernel.ExactTokens(ring, ring, lo, None, None, 0, None, None)
-        dequantize_kernel.dequantize_rotated(pool, layout, table, 45, torch.float16, exact=exact)
-    assert len(dequantize_kernel._PLANS) == 4 and len(kernel.jit_calls) == 4
-    assert kernel.compiled.runs[-1][9 + names.index("lo")] == 32
+
+
+def test_exact_overlay_plan_serves_every_ring_start(fake_triton, monkeypatch):
+    """The exact tokens' launch after the dequantization keeps one plan wherever the ring starts and however long
+    the prefix is (not specialized: a chat's every turn moves them), its grid one program per 16 positions of the
+    prefix's and the ring's ranges; a rotation makes another plan."""
+    monkeypatch.setattr(dequantize_kernel, "_OVERLAYS", fast_launch.PlanCache())
+    names = dequantize_kernel._overlay_kernel.arg_names
+    kernel = FakeKernel(names, list(range(names.index("OT"), len(names))))
+    monkeypatch.setattr(dequantize_kernel, "_overlay_kernel", kernel)
+    k = torch.empty(2, 2, 100, 64, dtype=torch.float16)
+    v = torch.empty_like(k)
+    ring, prefix = torch.randn(2, 2, 40, 64, dtype=torch.float16), torch.randn(2, 2, 4, 64, dtype=torch.float16)
+    for lo, p_len in ((60, 4), (64, 3)):
+        dequantize_kernel._overlay(dequantize_kernel.ExactTokens(ring, ring, lo, prefix, prefix, p_len, None, None),
+                                   k, v, 100)
+    assert len(kernel.jit_calls) == 1 and len(dequantize_kernel._OVERLAYS) == 1
+    (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
+    assert grid == (1 + 7 - 3, 2, 2) and run[:3] == (1 + 7 - 4, 2, 2)  # prefix tile, ring tiles from lo // 16 to 7
+    passed = run[9:9 + len(args)]
+    assert passed[names.index("lo")] == 64 and passed[names.index("p_len")] == 3
+    assert passed[names.index("ring_tile0")] == 4 and passed[names.index("ek_ptr")] is ring
+    rotation = torch.eye(64, dtype=torch.float16)
+    dequantize_kernel._overlay(dequantize_kernel.ExactTokens(ring, ring, 64, None, None, 0, rotation, None), k, v, 100)
+    assert len(dequantize_kernel._OVERLAYS) == 2 and kernel.jit_calls[-1][0] == (3, 2, 2)
 
 
 def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypatch):

@@ -4,9 +4,9 @@ A forward of many queries (a chat's next turn, a prefill chunk) reads the histor
 flash attention (history.py): every query tile then shares one read of dense tiles, where the unified kernel
 decodes the codes again for each tile of queries. The keys come out as scale * c[code] + mu R^T (the key
 rotation's space: q . k = (q R^T) . (k R^T)) and the values as mid + scale * (code - L/2) (the value rotation's
-space), so the launch is elementwise: no matmul, and the caller rotates the few queries and outputs instead. Only
-the exact tokens written over their positions (ExactTokens: the ring's and the prefix's, a few blocks per row) are
-rotated, by one small product per block that holds them.
+space), so the launch is elementwise: no matmul, and the caller rotates the few queries and outputs instead. The
+exact tokens written over their positions afterwards (ExactTokens: the ring's and the prefix's, a few dozen per row)
+are rotated in a launch of their own, by a small product per 16 positions.
 
 The code unpacking comes from reference.py's own packers (code_pieces): each coordinate's code is at most three
 runs of bits in its token's row, found by packing one-bit codes, so this kernel holds no format of its own.
@@ -139,53 +139,40 @@ def _meta(plane_ptr, field: tl.constexpr, rows, ok, T: tl.constexpr, META: tl.co
 
 
 @triton.jit
-def _exact_rows(ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, pos, ok, cols, col_ok):
-    """[T, C] of the exact tokens at positions pos: the ring's slot pos % n for pos >= lo, the prefix's row pos for
-    pos < p_len (disjoint ranges; the caller's p_len stops at lo), zeros elsewhere; and which rows they are."""
+def _exact_tokens(ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, rot_ptr, pos, ok, cols, D: tl.constexpr,
+                  ROT: tl.constexpr, DOT_F32: tl.constexpr):
+    """([T, DP] fp32 exact tokens at positions pos, times rot (R^T [D, D] in their dtype) where ROT; which rows hold
+    one): the ring's slot pos % n for pos >= lo, the prefix's row pos for pos < p_len (p_len <= lo: disjoint)."""
+    col_ok = cols < D
     in_ring = ok & (pos >= lo)
     in_prefix = ok & (pos < p_len)
-    r = tl.load(ring_ptr + ((pos % n) * s_rs)[:, None] + cols[None, :], mask=in_ring[:, None] & col_ok[None, :],
+    x = tl.load(ring_ptr + ((pos % n) * s_rs)[:, None] + cols[None, :], mask=in_ring[:, None] & col_ok[None, :],
                 other=0.0)
-    x = r + tl.load(pre_ptr + (pos * s_ps)[:, None] + cols[None, :], mask=in_prefix[:, None] & col_ok[None, :],
-                    other=0.0)
-    return x, in_ring | in_prefix
+    x += tl.load(pre_ptr + (pos * s_ps)[:, None] + cols[None, :], mask=in_prefix[:, None] & col_ok[None, :],
+                 other=0.0)
+    if ROT:
+        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_F32:  # fp32 outputs; bf16 under the interpreter, whose bf16 dots return garbage
+            y = tl.dot(x.to(tl.float32), rot.to(tl.float32), input_precision="ieee")
+        else:
+            y = tl.dot(x, rot)
+    else:
+        y = x.to(tl.float32)
+    return y, in_ring | in_prefix
 
 
 @triton.jit
-def _overlay_exact(x, ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, rot_ptr, pos, ok, cols,
-                   D: tl.constexpr, DP: tl.constexpr, ROT: tl.constexpr, DOT_F32: tl.constexpr):
-    """x [T, C] (columns cols) with the rows of exact positions replaced by those tokens, times rot (R^T, [D, D] in
-    their dtype) where ROT: a token's rotated column c needs its every coordinate, so those rows load whole."""
-    if ROT:
-        full = tl.arange(0, DP)
-        e, exact = _exact_rows(ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, pos, ok, full, full < D)
-        rot = tl.load(rot_ptr + full[:, None] * D + cols[None, :], mask=(full[:, None] < D) & (cols[None, :] < D),
-                      other=0.0)
-        if DOT_F32:  # fp32 outputs; bf16 under the interpreter, whose bf16 dots return garbage
-            y = tl.dot(e.to(tl.float32), rot.to(tl.float32), input_precision="ieee")
-        else:
-            y = tl.dot(e, rot)
-    else:
-        y, exact = _exact_rows(ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, pos, ok, cols, cols < D)
-    return tl.where(exact[:, None], y.to(tl.float32), x)
-
-
-@triton.jit(do_not_specialize=["lo", "p_len"])
 def _dequantize_kernel(pool_ptr, bt_ptr, s_bt, k_ptr, v_ptr, s_ob, s_oh, s_os, koff_ptr, s_koff, cent_ptr,
-                       kpieces_ptr, vpieces_ptr, length, ek_ptr, ev_ptr, s_eb, s_eh, s_es, n, lo, pk_ptr, pv_ptr,
-                       s_pb, s_ph, s_ps, p_len, rk_ptr, rv_ptr,
+                       kpieces_ptr, vpieces_ptr, length,
                        H: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KB: tl.constexpr,
                        VB: tl.constexpr, KBP: tl.constexpr, VBP: tl.constexpr, META: tl.constexpr,
                        PLANE: tl.constexpr, KEY_FP8: tl.constexpr, KEY_PIECES: tl.constexpr,
                        VALUE_PIECES: tl.constexpr, KEY_GROUPS: tl.constexpr, VALUE_GROUPS: tl.constexpr,
                        MAXP: tl.constexpr, VALUE_HALF: tl.constexpr, CODES: tl.constexpr, CENT_LOAD: tl.constexpr,
-                       HAS_KOFF: tl.constexpr, SATURATE: tl.constexpr, EXACT: tl.constexpr, ROT_K: tl.constexpr,
-                       ROT_V: tl.constexpr, DOT_F32: tl.constexpr):
+                       HAS_KOFF: tl.constexpr, SATURATE: tl.constexpr):
     """Program (j, h, b): block j of row b, KV head h -> its T positions of k/v [B, H, S, D] (strides s_ob, s_oh,
     s_os; D contiguous). KEY_GROUPS / VALUE_GROUPS > 0: the codes by code_groups' column groups (the pieces
-    pointers hold those), 0: by code_pieces' per-coordinate gathers over the padded row. EXACT: the positions the
-    ring (ek/ev, n slots, from lo) and the prefix (pk/pv, below p_len) hold come from them instead, rotated by rk / rv
-    where ROT_K / ROT_V (ExactTokens)."""
+    pointers hold those), 0: by code_pieces' per-coordinate gathers over the padded row."""
     j = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -195,11 +182,6 @@ def _dequantize_kernel(pool_ptr, bt_ptr, s_bt, k_ptr, v_ptr, s_ob, s_oh, s_os, k
     pos = j * T + rows
     ok = pos < length
     base = b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh
-    first = j * T  # (a block holds exact positions only at the history's two ends: the others skip the overlay)
-    ek_ptr += b.to(tl.int64) * s_eb + h.to(tl.int64) * s_eh
-    ev_ptr += b.to(tl.int64) * s_eb + h.to(tl.int64) * s_eh
-    pk_ptr += b.to(tl.int64) * s_pb + h.to(tl.int64) * s_ph
-    pv_ptr += b.to(tl.int64) * s_pb + h.to(tl.int64) * s_ph
     kscale = _meta(plane_ptr, 0, rows, ok, T, META)
     vscale = _meta(plane_ptr, 1, rows, ok, T, META)
     vmid = _meta(plane_ptr, 2, rows, ok, T, META)
@@ -220,10 +202,6 @@ def _dequantize_kernel(pool_ptr, bt_ptr, s_bt, k_ptr, v_ptr, s_ob, s_oh, s_os, k
         k = k * kscale[:, None]
         if HAS_KOFF:
             k = k + tl.load(koff_ptr + b * s_koff + h * D + cols, mask=cols < D, other=0.0)[None, :]
-        if EXACT:
-            if (first < p_len) | (first + T > lo):
-                k = _overlay_exact(k, ek_ptr, s_es, n, lo, pk_ptr, s_ps, p_len, rk_ptr, pos, ok, cols, D, DP, ROT_K,
-                                   DOT_F32)
         if SATURATE:  # fp16 out: a rotated coordinate may exceed fp16's range where the original ones did not
             k = tl.minimum(tl.maximum(k, -FP16_MAX), FP16_MAX)
         tl.store(k_ptr + base + (pos[:, None] * s_os + cols[None, :]), k.to(k_ptr.dtype.element_ty),
@@ -237,22 +215,46 @@ def _dequantize_kernel(pool_ptr, bt_ptr, s_bt, k_ptr, v_ptr, s_ob, s_oh, s_os, k
             cols = tl.arange(0, DP)
             vcode = _codes(plane_ptr + T * KB, vpieces_ptr, rows, cols, ok, D, VB, VBP, VALUE_PIECES)
         v = vmid[:, None] + vscale[:, None] * (vcode.to(tl.float32) - VALUE_HALF)
-        if EXACT:
-            if (first < p_len) | (first + T > lo):
-                v = _overlay_exact(v, ev_ptr, s_es, n, lo, pv_ptr, s_ps, p_len, rv_ptr, pos, ok, cols, D, DP, ROT_V,
-                                   DOT_F32)
         if SATURATE:
             v = tl.minimum(tl.maximum(v, -FP16_MAX), FP16_MAX)
         tl.store(v_ptr + base + (pos[:, None] * s_os + cols[None, :]), v.to(v_ptr.dtype.element_ty),
                  mask=ok[:, None] & (cols[None, :] < D))
 
 
+@triton.jit(do_not_specialize=["lo", "p_len", "pre_tiles", "ring_tile0"])
+def _overlay_kernel(k_ptr, v_ptr, s_ob, s_oh, s_os, ek_ptr, ev_ptr, s_eb, s_eh, s_es, n, lo, pk_ptr, pv_ptr, s_pb,
+                    s_ph, s_ps, p_len, rk_ptr, rv_ptr, length, pre_tiles, ring_tile0,
+                    OT: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr,
+                    DOT_F32: tl.constexpr, SATURATE: tl.constexpr):
+    """Program (i, h, b): tile i of the exact positions of row b, KV head h (the prefix's pre_tiles tiles of OT
+    positions from 0, then the ring's from tile ring_tile0) -> those positions of k/v [B, H, S, D], the exact tokens
+    rotated by rk / rv where ROT_K / ROT_V (ExactTokens); the other positions of the tile are left as they are."""
+    i = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    tile = tl.where(i < pre_tiles, i, ring_tile0 + i - pre_tiles)
+    pos = tile * OT + tl.arange(0, OT)
+    ok = pos < length
+    cols = tl.arange(0, DP)
+    out = b * s_ob + h * s_oh + pos[:, None] * s_os + cols[None, :]
+    y, exact = _exact_tokens(ek_ptr + b * s_eb + h * s_eh, s_es, n, lo, pk_ptr + b * s_pb + h * s_ph, s_ps, p_len,
+                             rk_ptr, pos, ok, cols, D, ROT_K, DOT_F32)
+    if SATURATE:  # fp16 out: as the dequantization, a rotated coordinate saturates
+        y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
+    tl.store(k_ptr + out, y.to(k_ptr.dtype.element_ty), mask=exact[:, None] & (cols[None, :] < D))
+    y, exact = _exact_tokens(ev_ptr + b * s_eb + h * s_eh, s_es, n, lo, pv_ptr + b * s_pb + h * s_ph, s_ps, p_len,
+                             rv_ptr, pos, ok, cols, D, ROT_V, DOT_F32)
+    if SATURATE:
+        y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
+    tl.store(v_ptr + out, y.to(v_ptr.dtype.element_ty), mask=exact[:, None] & (cols[None, :] < D))
+
+
 class ExactTokens(NamedTuple):
-    """Exact tokens dequantize_rotated writes over their positions, rotated into the dense copy's spaces by the
-    kernel (where the caller's torch ops took two matmuls and up to three copies per tensor): the ring [rows, H, n, D]
-    serves positions [lo, length) (position p at slot p % n), the prefix [rows, H, P, D] positions [0, prefix_len)
-    (prefix_len <= lo); both in the output dtype, D contiguous, or None. key_rotation / value_rotation: R^T / Rv^T
-    [D, D] in that dtype, contiguous, or None (that space is the model's). exact_overlay_fits says where it applies."""
+    """Exact tokens dequantize_rotated writes over their positions, rotated into the dense copy's spaces on the device
+    (where torch took per tensor two matmuls and up to three copies): the ring [rows, H, n, D] serves positions
+    [lo, length) (position p at slot p % n), the prefix [rows, H, P, D] positions [0, prefix_len) (prefix_len <= lo);
+    both in the output dtype, D contiguous, keys and values of the same strides, or None. key_rotation /
+    value_rotation: R^T / Rv^T [D, D] in that dtype, contiguous, or None (that space is the model's)."""
 
     ring_keys: torch.Tensor | None
     ring_values: torch.Tensor | None
@@ -264,14 +266,7 @@ class ExactTokens(NamedTuple):
     value_rotation: torch.Tensor | None
 
 
-@functools.lru_cache(maxsize=None)
-def exact_overlay_fits(layout: BlockLayout, rotate_keys: bool, rotate_values: bool) -> bool:
-    """Whether the kernel can rotate exact tokens for this format: each column group it writes (code_groups) is at
-    least 16 wide, a tensor-core product's narrowest, where the tokens are rotated."""
-    def width(values: bool) -> int:
-        groups = code_groups(layout, values, "cpu")
-        return next_pow2(layout.head_dim) if groups is None else layout.head_dim // groups.shape[0]
-    return (not rotate_keys or width(False) >= 16) and (not rotate_values or width(True) >= 16)
+OVERLAY_TILE = 16  # positions per program of the exact tokens' launch (a tensor-core product's narrowest M)
 
 
 def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor, length: int,
@@ -282,7 +277,7 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     in the key rotation's space (as they are for FP8 keys), the values in the value rotation's (as they are
     without value_rotation). key_offset: the key_centering mean already in that space, [H, D] or [rows, H, D]
     (fp32). out: the two buffers to write (that shape and dtype, D contiguous; default: new ones). exact: tokens
-    written instead of the pool's at their positions (ExactTokens; exact_overlay_fits must hold). The caller
+    written over the pool's at their positions (ExactTokens), in a second launch. The caller
     checks the arguments (history.py); the pool's bytes are read as they are."""
     rows, h, d, t = block_table.shape[0], layout.num_kv_heads, layout.head_dim, layout.block_size
     if out is None:
@@ -303,46 +298,51 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     ints = (block_table.stride(0), k.stride(0), k.stride(1), k.stride(2), s_koff, length)
     cent, kp, vp = _codec(layout, str(pool.device))
     koff = koff if koff is not None else cent  # (not read without an offset)
-    tokens = _exact_arguments(exact, k, length)
-    kinds = (exact is not None, exact is not None and exact.key_rotation is not None,
-             exact is not None and exact.value_rotation is not None)
-    key = (layout, dtype, key_offset is not None, *kinds, *map(pointer_key, (pool, block_table, k, v, koff)),
-           *map(int_key, ints), *map(_token_key, tokens, _UNSPECIALIZED))
+    key = (layout, dtype, key_offset is not None, *map(pointer_key, (pool, block_table, k, v, koff)),
+           *map(int_key, ints))
     site = _PLANS.get(key)
     if site is None:
-        site = _PLANS.put(key, _dequantize_site(layout, str(pool.device), dtype, key_offset is not None, *kinds))
+        site = _PLANS.put(key, _dequantize_site(layout, str(pool.device), dtype, key_offset is not None))
     with device_of(pool):
         site.regrid((-(-length // t), h, rows))(pool, block_table, ints[0], k, v, *ints[1:4], koff, s_koff, cent, kp,
-                                                 vp, length, *tokens)
+                                                 vp, length)
+        if exact is not None:
+            _overlay(exact, k, v, length)
     return k, v
 
 
-_UNSPECIALIZED = tuple(i in (6, 12) for i in range(15))  # lo and p_len: the kernel's do_not_specialize
-
-
-def _token_key(a, unspecialized: bool):
-    """What decides the compiled variant of one exact-token argument: a tensor's pointer_key, an int's int_key (a
-    do_not_specialize int's 32-bit range only)."""
-    if isinstance(a, torch.Tensor):
-        return pointer_key(a)
-    return -(1 << 31) <= a < (1 << 31) if unspecialized else int_key(a)
-
-
-def _exact_arguments(exact: ExactTokens | None, k: torch.Tensor, length: int) -> tuple:
-    """The kernel's exact-token arguments (ek, ev, s_eb, s_eh, s_es, n, lo, pk, pv, s_pb, s_ph, s_ps, p_len, rk,
-    rv); without tokens, k in every pointer's place (never read) and ranges that hold no position."""
-    if exact is None:
-        return (k, k, 0, 0, 0, 1, length, k, k, 0, 0, 0, 0, k, k)
+def _overlay(exact: ExactTokens, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+    """One launch writing `exact`'s tokens over their positions of k and v (after the dequantization's, on its stream):
+    a program per OVERLAY_TILE positions of the prefix's and the ring's ranges, per row and KV head."""
+    rows, h, _, d = k.shape
     ring, prefix = exact.ring_keys, exact.prefix_keys
     ring_args = (ring, exact.ring_values, *ring.stride()[:3], ring.shape[2], exact.lo) if ring is not None else (
-        k, k, 0, 0, 0, 1, length)
+        k, v, 0, 0, 0, 1, length)
     prefix_args = (prefix, exact.prefix_values, *prefix.stride()[:3], exact.prefix_len) if prefix is not None else (
-        k, k, 0, 0, 0, 0)
-    rk = exact.key_rotation if exact.key_rotation is not None else k
+        k, v, 0, 0, 0, 0)
+    lo, p_len = ring_args[-1], prefix_args[-1]
+    pre_tiles = -(-p_len // OVERLAY_TILE)
+    ring_tile0 = lo // OVERLAY_TILE
+    tiles = pre_tiles + max(0, -(-length // OVERLAY_TILE) - ring_tile0)
+    if tiles == 0:
+        return
+    rk = exact.key_rotation if exact.key_rotation is not None else k  # (not read without a rotation)
     rv = exact.value_rotation if exact.value_rotation is not None else k
-    return (*ring_args, *prefix_args, rk, rv)
+    args = (k, v, *k.stride()[:3], *ring_args, *prefix_args, rk, rv, length, pre_tiles, ring_tile0)
+    # lo, p_len and the tile counts are not specialized; the rest decide the variant as int_key / pointer_key say
+    key = (k.dtype, d, exact.key_rotation is not None, exact.value_rotation is not None,
+           *(pointer_key(a) if isinstance(a, torch.Tensor) else int_key(a) for a in args[:11] + args[12:17]),
+           *(pointer_key(a) for a in (rk, rv)), int_key(length))
+    site = _OVERLAYS.get(key)
+    if site is None:
+        site = _OVERLAYS.put(key, LaunchSite(_overlay_kernel, (1, 1, 1), dict(
+            OT=OVERLAY_TILE, D=d, DP=next_pow2(d), ROT_K=exact.key_rotation is not None,
+            ROT_V=exact.value_rotation is not None, SATURATE=k.dtype == torch.float16,
+            DOT_F32=k.dtype == torch.float32 or not device_traits(k.device).runs_ptx, num_warps=4)))
+    site.regrid((tiles, h, rows))(*args)
 
 
+_OVERLAYS = PlanCache()
 _PLANS = PlanCache()
 
 
@@ -355,10 +355,8 @@ def _codec(layout: BlockLayout, device: str) -> tuple[torch.Tensor, torch.Tensor
             vg if vg is not None else code_pieces(layout, True, device))
 
 
-def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_offset: bool, exact: bool,
-                     rotate_keys: bool, rotate_values: bool) -> LaunchSite:
-    """The launch of _dequantize_kernel for this format and output dtype (its grid set per call); exact: with
-    ExactTokens (rotated where rotate_keys / rotate_values)."""
+def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_offset: bool) -> LaunchSite:
+    """The launch of _dequantize_kernel for this format and output dtype (its grid set per call)."""
     cfg, d = layout.config, layout.head_dim
     kg, vg = code_groups(layout, False, device), code_groups(layout, True, device)
     return LaunchSite(_dequantize_kernel, (1, 1, 1), dict(
@@ -368,8 +366,7 @@ def _dequantize_site(layout: BlockLayout, device: str, dtype: torch.dtype, has_o
         VALUE_PIECES=_pieces_in_use(layout, True), KEY_GROUPS=0 if kg is None else kg.shape[0],
         VALUE_GROUPS=0 if vg is None else vg.shape[0], MAXP=MAX_PIECES, VALUE_HALF=((1 << cfg.value_bits) - 1) / 2,
         CODES=_codec(layout, device)[0].numel(), CENT_LOAD=CENTROID_LOADS, HAS_KOFF=has_offset,
-        SATURATE=dtype == torch.float16, EXACT=exact, ROT_K=rotate_keys, ROT_V=rotate_values,
-        DOT_F32=dtype == torch.float32 or not device_traits(torch.device(device)).runs_ptx, num_warps=DEQUANT_WARPS))
+        SATURATE=dtype == torch.float16, num_warps=DEQUANT_WARPS))
 
 
 def rotated_mean(layout: BlockLayout, key_offset: torch.Tensor | None) -> torch.Tensor | None:

@@ -31,7 +31,7 @@ from ..layout import BlockLayout
 from ..reference import ring_offset, ring_vectors
 from .checks import check_attention_inputs, check_key_offset, check_prefix, check_recent
 from .codec_tensors import codec_tensors, value_rotation_tensor
-from .dequantize import ExactTokens, dequantize_rotated, exact_overlay_fits, rotated_mean
+from .dequantize import ExactTokens, dequantize_rotated, rotated_mean
 from .device import device_traits
 from .fast_launch import device_of
 
@@ -149,16 +149,16 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
 def _kernel_overlay(layout: BlockLayout, dtype: torch.dtype, rows: slice, lo: int, p: int, rot_t, vrot_t,
                     prefix_keys, prefix_values, recent_keys, recent_values) -> ExactTokens | None:
     """The exact tokens as the dequantization writes them itself (ExactTokens), or None where torch overlays them:
-    int8 ring records (decoded in torch), buffers not in the output dtype with D contiguous, or a format whose column
-    groups are too narrow for the kernel's rotation. Saves per tensor two matmuls and up to three copies into the
-    dense history, each a launch with its host time."""
+    int8 ring records (decoded in torch), buffers not in the output dtype with D contiguous, a head_dim under 16.
+    One launch for both tensors where torch took per tensor two matmuls and up to three copies into the dense
+    history, each a launch with its host time."""
     buffers = [x for x in (recent_keys, recent_values, prefix_keys, prefix_values) if x is not None]
     if not buffers or any(x.dtype != dtype or x.stride(-1) != 1 for x in buffers):
         return None
     pairs = ((recent_keys, recent_values), (prefix_keys, prefix_values))
     if any(a is not None and a.stride() != b.stride() for a, b in pairs):
         return None
-    if not exact_overlay_fits(layout, rot_t is not None, vrot_t is not None):
+    if layout.head_dim < 16:  # (the rotation's tensor-core product spans the padded head_dim)
         return None
     ring = recent_keys is not None and recent_keys.shape[2] > 0  # (the kernel reads slot p % n)
     return ExactTokens(recent_keys[rows] if ring else None, recent_values[rows] if ring else None, lo,
