@@ -277,8 +277,8 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     in the key rotation's space (as they are for FP8 keys), the values in the value rotation's (as they are
     without value_rotation). key_offset: the key_centering mean already in that space, [H, D] or [rows, H, D]
     (fp32). out: the two buffers to write (that shape and dtype, D contiguous; default: new ones). exact: tokens
-    written over the pool's at their positions (ExactTokens), in a second launch. The caller
-    checks the arguments (history.py); the pool's bytes are read as they are."""
+    written over the pool's at their positions by a second launch (ExactTokens). The caller checks the arguments
+    (history.py); the pool's bytes are read as they are."""
     rows, h, d, t = block_table.shape[0], layout.num_kv_heads, layout.head_dim, layout.block_size
     if out is None:
         k = torch.empty(rows, h, length, d, dtype=dtype, device=pool.device)
@@ -323,7 +323,7 @@ def _overlay(exact: ExactTokens, k: torch.Tensor, v: torch.Tensor, length: int) 
     lo, p_len = ring_args[-1], prefix_args[-1]
     pre_tiles = -(-p_len // OVERLAY_TILE)
     ring_tile0 = lo // OVERLAY_TILE
-    tiles = pre_tiles + max(0, -(-length // OVERLAY_TILE) - ring_tile0)
+    tiles = pre_tiles + (max(0, -(-length // OVERLAY_TILE) - ring_tile0) if ring is not None else 0)
     if tiles == 0:
         return
     rk = exact.key_rotation if exact.key_rotation is not None else k  # (not read without a rotation)
