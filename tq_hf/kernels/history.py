@@ -115,13 +115,13 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
     group = max(1, DENSE_HISTORY_BYTES // _row_bytes(layout, length, query.element_size()))
     if out is None and not 0 < b <= group:
         out = torch.empty_like(query)
+    # the ring serves [lo, length), over the prefix where they meet
+    lo = length if recent_keys is None else max(recent_from, length - recent_keys.shape[2], 0)
+    p = min(prefix_len, lo)
     with device_of(pool):
         for r0 in range(0, b, group):
             rows = slice(r0, min(b, r0 + group))
             offset = key_offset[rows] if key_offset is not None and key_offset.dim() == 3 else key_offset
-            # the ring serves [lo, length), over the prefix where they meet
-            lo = length if recent_keys is None else max(recent_from, length - recent_keys.shape[2], 0)
-            p = min(prefix_len, lo)
             exact = None if unrotate else _kernel_overlay(layout, dtype, rows, lo, p, rot_t, vrot_t, prefix_keys,
                                                            prefix_values, recent_keys, recent_values)
             k, v = dequantize_rotated(pool, layout, block_table[rows], length, dtype, offset, exact=exact)
@@ -148,7 +148,7 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
 
 def _kernel_overlay(layout: BlockLayout, dtype: torch.dtype, rows: slice, lo: int, p: int, rot_t, vrot_t,
                     prefix_keys, prefix_values, recent_keys, recent_values) -> ExactTokens | None:
-    """The exact tokens as the dequantization writes them itself (ExactTokens), or None where torch overlays them:
+    """The exact tokens as dequantize_rotated overlays them on the device (ExactTokens), or None where torch does:
     int8 ring records (decoded in torch), buffers not in the output dtype with D contiguous, a head_dim under 16.
     One launch for both tensors where torch took per tensor two matmuls and up to three copies into the dense
     history, each a launch with its host time."""
