@@ -20,6 +20,7 @@ from tq_hf.layout import key_planes, value_planes
 from tq_hf.kernels import dense_history_attention, dense_history_serves, history
 from tq_hf.kernels.dequantize import code_pieces, dequantize, dequantize_rotated
 from tq_hf.kernels.fast_launch import PlanCache
+from tq_hf.kernels.lse_merge import merge_attention
 
 from kernel_helpers import (DEVICE, attention_tolerance, default_scale, fill_cache, make_layout,
                             poisoned_exact_buffers, rel_error)
@@ -232,6 +233,41 @@ def test_history_and_own_tokens_merge_to_one_causal_attention(dtype, group, q_le
     got = history._attend_history_and_own(q, k, v, 0.3)
     assert got.dtype == dtype
     assert rel_error(got, want) <= 2 * attention_tolerance(dtype, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_merge_launch_is_the_softmax_over_both_pieces(dtype, rotate):
+    """lse_merge.merge_attention against fp32 math: the rows' two outputs weighted by their log-sum-exps' softmax,
+    times Rv, written into a [B, Lq, Hq, D] buffer seen as [B, Hq, Lq, D] (NaN where nothing is written), log-sum-
+    exps far apart included; within one rounding of the dtype per product."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    b, hk, g, lq, d = 2, 2, 3, 21, 64
+    o_hist = torch.randn(b * hk, g * lq, d, device=DEVICE, generator=gen).to(dtype)
+    o_own = torch.randn(b, hk * g, lq, d, device=DEVICE, generator=gen).to(dtype)
+    lse_hist = torch.randn(b * hk, g * lq, device=DEVICE, generator=gen) * 30  # shares from ~0 to ~1
+    lse_own = torch.randn(b, hk * g, lq, device=DEVICE, generator=gen) * 30
+    rotation = torch.linalg.qr(torch.randn(d, d, device=DEVICE, generator=gen))[0] if rotate else None
+    rotation = rotation.to(dtype).contiguous() if rotate else None
+    dst = torch.full((b, lq, hk * g, d), float("nan"), device=DEVICE, dtype=dtype).transpose(1, 2)
+    got = merge_attention(o_hist, lse_hist, o_own, lse_own, rotation, dst)
+    share = torch.sigmoid(lse_hist.view(b, hk * g, lq, 1) - lse_own[..., None])
+    want = o_own.float() + share * (o_hist.view(b, hk * g, lq, d).float() - o_own.float())
+    if rotate:
+        want = want @ rotation.float()
+    assert got is dst and torch.isfinite(got).all()
+    assert rel_error(got, want) <= 2 * attention_tolerance(dtype, want), rel_error(got, want)
+
+
+def test_split_route_merges_in_one_launch(monkeypatch):
+    """Each group of rows on the split route merges its two attentions (and rotates them by Rv) in one launch."""
+    calls = []
+    monkeypatch.setattr(history, "merge_attention", lambda *a: calls.append(a[4] is not None) or _MERGE(*a))
+    _check("4bit", 64, 2, 70, 20, 3, torch.float32, 4, (40, 3))  # value rotation on
+    assert calls == [True]
+
+
+_MERGE = history.merge_attention
 
 
 def test_refused_cudnn_warns_once_and_takes_one_sdpa_call(monkeypatch):

@@ -27,6 +27,7 @@ from .checks import check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
 from .device import device_traits
 from .fast_launch import LaunchSite, PlanCache, device_of, int_key, pointer_key
+from .rounding import store_rounded
 
 DEQUANT_WARPS = 4  # per program of one block and head (docs/performance.md)
 CENTROID_LOADS = False  # key centroids gathered in registers (else a load per code; docs/performance.md)
@@ -241,12 +242,12 @@ def _overlay_kernel(k_ptr, v_ptr, s_ob, s_oh, s_os, ek_ptr, ev_ptr, s_eb, s_eh, 
                              rk_ptr, pos, ok, cols, D, ROT_K, DOT_F32)
     if SATURATE:  # fp16 out: as the dequantization, a rotated coordinate saturates
         y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
-    tl.store(k_ptr + out, y.to(k_ptr.dtype.element_ty), mask=exact[:, None] & (cols[None, :] < D))
+    store_rounded(k_ptr + out, y, exact[:, None] & (cols[None, :] < D))
     y, exact = _exact_tokens(ev_ptr + b * s_eb + h * s_eh, s_es, n, lo, pv_ptr + b * s_pb + h * s_ph, s_ps, p_len,
                              rv_ptr, pos, ok, cols, D, ROT_V, DOT_F32)
     if SATURATE:
         y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
-    tl.store(v_ptr + out, y.to(v_ptr.dtype.element_ty), mask=exact[:, None] & (cols[None, :] < D))
+    store_rounded(v_ptr + out, y, exact[:, None] & (cols[None, :] < D))
 
 
 class ExactTokens(NamedTuple):

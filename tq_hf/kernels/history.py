@@ -34,6 +34,7 @@ from .codec_tensors import codec_tensors, value_rotation_tensor
 from .dequantize import ExactTokens, dequantize_rotated, rotated_mean
 from .device import device_traits
 from .fast_launch import device_of
+from .lse_merge import merge_attention
 
 # The dense route from this much unified-kernel work: query rows (query heads per KV head x queries, summed over the
 # batch) x positions. The unified kernel decodes the history once per tile of query rows in one launch; the dense
@@ -136,13 +137,9 @@ def dense_history_attention(query: torch.Tensor, pool: torch.Tensor, layout: Blo
                 if p:
                     k[:, :, :p] = _rotated(prefix_keys[rows, :, :p], rot_t, dtype)
                     v[:, :, :p] = _rotated(prefix_values[rows, :, :p], vrot_t, dtype)
-            o = _attend(q[rows], k, v, scale)
+            o = _attend(q[rows], k, v, scale, vrot, None if out is None else out[rows])
             if out is None:  # every row in one group and no buffer given: the attention's output is the result
-                return o if vrot is None else o @ vrot
-            if vrot is None:
-                out[rows] = o
-            else:
-                _matmul_into(out[rows], o, vrot)
+                return o
     return out
 
 
@@ -187,23 +184,39 @@ def _matmul_into(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor) -> None:
         dst.copy_(x @ m)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, rotation: torch.Tensor | None = None,
+            dst: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q [R, Hq, Lq, D], the last Lq of the `length` positions of k, v [R, Hk, length, D], each query
-    over the positions up to its own; in q's dtype."""
+    over the positions up to its own; in q's dtype, times rotation (Rv, [D, D]) when given; into dst [R, Hq, Lq, D]
+    when given (any strides, D contiguous), else a new tensor."""
     b, hq, lq, d = q.shape
     hk, length = k.shape[1], k.shape[2]
     if splits_history(q, hk, length) and (q.device, q.dtype, d) not in _CUDNN_REFUSED:
         try:
-            return _attend_history_and_own(q, k, v, scale)
+            pieces = _history_and_own(q, k, v, scale)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as err:  # cuDNN without support for this shape, dtype or device: one SDPA call
             _CUDNN_REFUSED.add((q.device, q.dtype, d))
             warnings.warn(f"tq_hf: cuDNN attention refused the history of a {lq}-query forward ({q.dtype}, head_dim "
                           f"{d}): {err}; such forwards take one SDPA call instead, which is slower", stacklevel=3)
+        else:
+            return _merged(q, *pieces, rotation, dst)
     mask = None if lq == length else causal_lower_right(lq, length)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                          enable_gqa=hq != hk)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=hq != hk)
+    return _rotated_into(o, rotation, dst)
+
+
+def _rotated_into(o: torch.Tensor, rotation: torch.Tensor | None, dst: torch.Tensor | None) -> torch.Tensor:
+    """o @ rotation (o without one), into dst when given."""
+    if dst is None:
+        return o if rotation is None else o @ rotation
+    if rotation is None:
+        dst.copy_(o)
+    else:
+        _matmul_into(dst, o, rotation)
+    return dst
 
 
 def splits_history(q: torch.Tensor, num_kv_heads: int, length: int) -> bool:
@@ -219,9 +232,17 @@ def splits_history(q: torch.Tensor, num_kv_heads: int, length: int) -> bool:
             and tiles >= SPLIT_HISTORY_TILES_PER_SM * device_traits(q.device).num_sms)
 
 
-def _attend_history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            rotation: torch.Tensor | None = None, dst: torch.Tensor | None = None) -> torch.Tensor:
     """_attend as two attentions merged by log-sum-exp: every query over the history [0, length - Lq), each KV
     head's G x Lq query rows as one sequence; and causally over the forward's own Lq positions."""
+    return _merged(q, *_history_and_own(q, k, v, scale), rotation, dst)
+
+
+def _history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """The two attentions _attend_history_and_own merges: (o_hist [R * Hk, G * Lq, D], lse_hist [R * Hk, G * Lq],
+    o_own [R, Hq, Lq, D], lse_own [R, Hq, Lq]), each log-sum-exp read as [.., rows] (a backend may add a trailing
+    unit axis or pad the rows)."""
     b, hq, lq, d = q.shape
     hk, length = k.shape[1], k.shape[2]
     h = length - lq
@@ -230,12 +251,20 @@ def _attend_history_and_own(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     o_hist, lse_hist = _attention_lse(stacked, k[:, :, :h].reshape(b * hk, 1, h, d),
                                       v[:, :, :h].reshape(b * hk, 1, h, d), scale, causal=False)
     o_own, lse_own = _attention_lse(q, k[:, :, h:], v[:, :, h:], scale, causal=True)
-    # softmax over both pieces: the history's share of each row's weight is sigmoid(lse_hist - lse_own); each
-    # log-sum-exp read as [.., rows] (a backend may add a trailing unit axis or pad the rows)
-    lse_hist = lse_hist.flatten(2)[..., : hq // hk * lq].reshape(b, hq, lq, 1)
-    lse_own = lse_own.flatten(2)[..., :lq].reshape(b, hq, lq, 1)
-    share = torch.sigmoid(lse_hist - lse_own)
-    return torch.lerp(o_own.float(), o_hist.reshape(b, hq, lq, d).float(), share).to(q.dtype)
+    return o_hist[:, 0], lse_hist.flatten(2)[:, 0, : hq // hk * lq], o_own, lse_own.flatten(2)[..., :lq]
+
+
+def _merged(q: torch.Tensor, o_hist: torch.Tensor, lse_hist: torch.Tensor, o_own: torch.Tensor,
+            lse_own: torch.Tensor, rotation: torch.Tensor | None, dst: torch.Tensor | None) -> torch.Tensor:
+    """The softmax over both pieces (the history's share of each row's weight is sigmoid(lse_hist - lse_own)),
+    times rotation, into dst: one launch (lse_merge.py) where the head_dim allows its tensor-core product."""
+    b, hq, lq, d = o_own.shape
+    if (d >= 16 and all(x.stride(-1) == 1 for x in (o_hist, lse_hist, o_own, lse_own))
+            and (rotation is None or rotation.is_contiguous()) and (dst is None or dst.stride(-1) == 1)):
+        return merge_attention(o_hist, lse_hist, o_own, lse_own, rotation, torch.empty_like(q) if dst is None else dst)
+    share = torch.sigmoid(lse_hist.reshape(b, hq, lq, 1) - lse_own.reshape(b, hq, lq, 1))
+    o = torch.lerp(o_own.float(), o_hist.reshape(b, hq, lq, d).float(), share).to(q.dtype)
+    return _rotated_into(o, rotation, dst)
 
 
 def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
