@@ -231,9 +231,10 @@ def test_exact_overlay_plan_serves_every_ring_start(fake_triton, monkeypatch):
 def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypatch):
     """A forward's exact window launches through one plan for new-token counts Triton compiles alike (a chat's next
     turns: grid set per call, a program per 16 slots), a new plan where the variant differs (16 new tokens, one
-    new token) or the ring's kind does."""
+    new token) or the ring's kind does; a shape seen before finds its plan without working out its kind."""
     window_kernel = importlib.import_module("tq_hf.kernels.window")
     monkeypatch.setattr(window_kernel, "_PLANS", fast_launch.PlanCache())
+    monkeypatch.setattr(window_kernel, "_KINDS", fast_launch.PlanCache())
     names = window_kernel._window_kernel.arg_names  # the runtime arguments, then the constexprs from D
     kernel = FakeKernel(names, list(range(names.index("D"), len(names))))
     monkeypatch.setattr(window_kernel, "_window_kernel", kernel)
@@ -241,7 +242,7 @@ def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypa
     first = window_kernel.ring_window(ring, torch.randn(1, 2, 37, 64, dtype=torch.float16), 100)
     new = torch.randn(1, 2, 45, 64, dtype=torch.float16)
     second = window_kernel.ring_window(ring, new, 300)
-    assert len(kernel.jit_calls) == 1 and len(window_kernel._PLANS) == 1
+    assert len(kernel.jit_calls) == 1 and len(window_kernel._KINDS) == 1 and len(window_kernel._PLANS) == 2
     (grid, args, _), (run,) = kernel.jit_calls[0], kernel.compiled.runs
     assert grid == (-(-(24 + 37) // 16), 2, 1) and run[:3] == (-(-(24 + 45) // 16), 2, 1)
     assert args[3] is first and args[4:7] == (100, 24, 37)
@@ -252,7 +253,9 @@ def test_window_plan_serves_every_forward_length_of_a_kind(fake_triton, monkeypa
         window_kernel.ring_window(ring, torch.randn(1, 2, count, 64, dtype=torch.float16), 300)
     records = reference.encode_ring(ring.float())
     window_kernel.ring_window(records, new, 300, torch.zeros(2, 64))
-    assert len(window_kernel._PLANS) == 4 and len(kernel.jit_calls) == 4
+    assert len(window_kernel._KINDS) == 4 and len(kernel.jit_calls) == 4
+    window_kernel.ring_window(ring, new, 500)  # a shape seen before: its plan by the shape's key, launched directly
+    assert len(kernel.jit_calls) == 4 and kernel.compiled.runs[-1][9 + 4] == 500
 
 
 @pytest.mark.parametrize("case", ["unverified triton", "constexpr among the arguments", "constexpr by default"])

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..layout import RING_GROUP, ring_record_bytes
 from .codec_tensors import next_pow2
-from .fast_launch import LaunchSite, PlanCache, device_of, int_key, pointer_key
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, int_key, pointer_key
 from .rounding import store_rounded
 from .tiles import _exact_cols
 
@@ -52,7 +52,8 @@ def _window_kernel(ring, new, offset, out, start, W, NEW, H,
     store_rounded(out + bh * n * D + j[:, None] * D + cols[None, :], x, mask)
 
 
-_PLANS = PlanCache()
+_PLANS = PlanCache()  # by shapes and strides
+_KINDS = PlanCache()  # by the kinds Triton specializes on
 
 
 def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, offset: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,14 +83,17 @@ def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, offset: torch
     out = torch.empty(b, h, w + m, d, dtype=new.dtype, device=new.device)
     s_or, s_oh = (0, 0) if offset is None else offset.stride()[:2]
     ints = (w, m, h, *ring.stride()[:3], *new.stride()[:3], s_or, s_oh)
-    # the grid follows the window's width; the compiled variant only what int_key / pointer_key tell of each
-    # argument, so a chat's every next turn (a new forward length) relaunches one plan without Triton's binder
-    key = (d, q8, offset is not None, *map(pointer_key, (ring, new, out, ring if offset is None else offset)),
-           *map(int_key, ints))
+    key = (argument_key(ring), argument_key(new), argument_key(offset))
     site = _PLANS.get(key)
     if site is None:
-        site = _PLANS.put(key, LaunchSite(_window_kernel, (1, 1, 1), dict(
+        # a new shape: the plan of its kind (what int_key / pointer_key tell of each argument decides the compiled
+        # variant), so a chat's next turn of a new length relaunches that plan's kernel without Triton's binder;
+        # repeated shapes (a verification forward's few lengths) find theirs by the cheaper key above
+        kind = (d, q8, offset is not None, *map(pointer_key, (ring, new, out, ring if offset is None else offset)),
+                *map(int_key, ints))
+        site = _KINDS.get(kind) or _KINDS.put(kind, LaunchSite(_window_kernel, (1, 1, 1), dict(
             D=d, DP=next_pow2(d), Q8=q8, HAS_OFFSET=offset is not None, BLOCK_T=WINDOW_SLOTS, num_warps=4)))
+        _PLANS.put(key, site)
     with device_of(new):
         site.regrid((triton.cdiv(w + m, WINDOW_SLOTS), b * h, 1))(ring, new, ring if offset is None else offset, out,
                                                                   start, *ints)
