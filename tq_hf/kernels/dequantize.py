@@ -6,7 +6,7 @@ decodes the codes again for each tile of queries. The keys come out as scale * c
 rotation's space: q . k = (q R^T) . (k R^T)) and the values as mid + scale * (code - L/2) (the value rotation's
 space), so the launch is elementwise: no matmul, and the caller rotates the few queries and outputs instead. The
 exact tokens written over their positions afterwards (ExactTokens: the ring's and the prefix's, a few dozen per row)
-are rotated in a launch of their own, by a small product per 16 positions.
+are rotated in a launch of their own, by a small product per 16 positions (rotation.dot_square).
 
 The code unpacking comes from reference.py's own packers (code_pieces): each coordinate's code is at most three
 runs of bits in its token's row, found by packing one-bit codes, so this kernel holds no format of its own.
@@ -25,8 +25,8 @@ from .. import reference
 from ..layout import BlockLayout, key_planes, value_planes
 from .checks import check_key_offset, check_layout_pool, check_tensor
 from .codec_tensors import codec_tensors, next_pow2, value_rotation_tensor
-from .device import device_traits
-from .fast_launch import LaunchSite, PlanCache, device_of, int_key, pointer_key
+from .fast_launch import LaunchSite, PlanCache, device_of, variant_key
+from .rotation import dot_square, dot_in_f32
 from .rounding import store_rounded
 
 DEQUANT_WARPS = 4  # per program of one block and head (docs/performance.md)
@@ -141,25 +141,19 @@ def _meta(plane_ptr, field: tl.constexpr, rows, ok, T: tl.constexpr, META: tl.co
 
 @triton.jit
 def _exact_tokens(ring_ptr, s_rs, n, lo, pre_ptr, s_ps, p_len, rot_ptr, pos, ok, cols, D: tl.constexpr,
-                  ROT: tl.constexpr, DOT_F32: tl.constexpr):
-    """([T, DP] fp32 exact tokens at positions pos, times rot (R^T [D, D] in their dtype) where ROT; which rows hold
-    one): the ring's slot pos % n for pos >= lo, the prefix's row pos for pos < p_len (p_len <= lo: disjoint)."""
+                  DP: tl.constexpr, ROT: tl.constexpr, DOT_F32: tl.constexpr):
+    """([T, DP] fp32 exact tokens at positions pos, times rot (R^T [D, D]) where ROT; which rows hold one): the
+    ring's slot pos % n for pos >= lo, the prefix's row pos for pos < p_len (p_len <= lo: disjoint)."""
     col_ok = cols < D
     in_ring = ok & (pos >= lo)
     in_prefix = ok & (pos < p_len)
     x = tl.load(ring_ptr + ((pos % n) * s_rs)[:, None] + cols[None, :], mask=in_ring[:, None] & col_ok[None, :],
-                other=0.0)
+                other=0.0).to(tl.float32)
     x += tl.load(pre_ptr + (pos * s_ps)[:, None] + cols[None, :], mask=in_prefix[:, None] & col_ok[None, :],
-                 other=0.0)
+                 other=0.0).to(tl.float32)
     if ROT:
-        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :], mask=col_ok[:, None] & col_ok[None, :], other=0.0)
-        if DOT_F32:  # fp32 outputs; bf16 under the interpreter, whose bf16 dots return garbage
-            y = tl.dot(x.to(tl.float32), rot.to(tl.float32), input_precision="ieee")
-        else:
-            y = tl.dot(x, rot)
-    else:
-        y = x.to(tl.float32)
-    return y, in_ring | in_prefix
+        x = dot_square(x, rot_ptr, D, DP, DOT_F32)
+    return x, in_ring | in_prefix
 
 
 @triton.jit
@@ -239,12 +233,12 @@ def _overlay_kernel(k_ptr, v_ptr, s_ob, s_oh, s_os, ek_ptr, ev_ptr, s_eb, s_eh, 
     cols = tl.arange(0, DP)
     out = b * s_ob + h * s_oh + pos[:, None] * s_os + cols[None, :]
     y, exact = _exact_tokens(ek_ptr + b * s_eb + h * s_eh, s_es, n, lo, pk_ptr + b * s_pb + h * s_ph, s_ps, p_len,
-                             rk_ptr, pos, ok, cols, D, ROT_K, DOT_F32)
+                             rk_ptr, pos, ok, cols, D, DP, ROT_K, DOT_F32)
     if SATURATE:  # fp16 out: as the dequantization, a rotated coordinate saturates
         y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
     store_rounded(k_ptr + out, y, exact[:, None] & (cols[None, :] < D))
     y, exact = _exact_tokens(ev_ptr + b * s_eb + h * s_eh, s_es, n, lo, pv_ptr + b * s_pb + h * s_ph, s_ps, p_len,
-                             rv_ptr, pos, ok, cols, D, ROT_V, DOT_F32)
+                             rv_ptr, pos, ok, cols, D, DP, ROT_V, DOT_F32)
     if SATURATE:
         y = tl.minimum(tl.maximum(y, -FP16_MAX), FP16_MAX)
     store_rounded(v_ptr + out, y, exact[:, None] & (cols[None, :] < D))
@@ -299,8 +293,7 @@ def dequantize_rotated(pool: torch.Tensor, layout: BlockLayout, block_table: tor
     ints = (block_table.stride(0), k.stride(0), k.stride(1), k.stride(2), s_koff, length)
     cent, kp, vp = _codec(layout, str(pool.device))
     koff = koff if koff is not None else cent  # (not read without an offset)
-    key = (layout, dtype, key_offset is not None, *map(pointer_key, (pool, block_table, k, v, koff)),
-           *map(int_key, ints))
+    key = (layout, dtype, key_offset is not None, *variant_key((pool, block_table, k, v, koff) + ints))
     site = _PLANS.get(key)
     if site is None:
         site = _PLANS.put(key, _dequantize_site(layout, str(pool.device), dtype, key_offset is not None))
@@ -330,16 +323,15 @@ def _overlay(exact: ExactTokens, k: torch.Tensor, v: torch.Tensor, length: int) 
     rk = exact.key_rotation if exact.key_rotation is not None else k  # (not read without a rotation)
     rv = exact.value_rotation if exact.value_rotation is not None else k
     args = (k, v, *k.stride()[:3], *ring_args, *prefix_args, rk, rv, length, pre_tiles, ring_tile0)
-    # lo, p_len and the tile counts are not specialized; the rest decide the variant as int_key / pointer_key say
-    key = (k.dtype, d, exact.key_rotation is not None, exact.value_rotation is not None,
-           *(pointer_key(a) if isinstance(a, torch.Tensor) else int_key(a) for a in args[:11] + args[12:17]),
-           *(pointer_key(a) for a in (rk, rv)), int_key(length))
+    # lo, p_len and the tile counts are not specialized (args 11, 17, 21, 22)
+    key = (d, exact.key_rotation is not None, exact.value_rotation is not None,
+           *variant_key(args[:11] + args[12:17] + args[18:21]))
     site = _OVERLAYS.get(key)
     if site is None:
         site = _OVERLAYS.put(key, LaunchSite(_overlay_kernel, (1, 1, 1), dict(
             OT=OVERLAY_TILE, D=d, DP=next_pow2(d), ROT_K=exact.key_rotation is not None,
             ROT_V=exact.value_rotation is not None, SATURATE=k.dtype == torch.float16,
-            DOT_F32=k.dtype == torch.float32 or not device_traits(k.device).runs_ptx, num_warps=4)))
+            DOT_F32=dot_in_f32(k.dtype, k.device), num_warps=4)))
     site.regrid((tiles, h, rows))(*args)
 
 

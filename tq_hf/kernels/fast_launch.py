@@ -105,6 +105,12 @@ def pointer_key(t: torch.Tensor) -> tuple:
     return t.dtype, t.get_device(), t.data_ptr() & 15
 
 
+def variant_key(args) -> tuple:
+    """pointer_key of every tensor and int_key of every int in args: what decides the compiled variant of a launch
+    whose grid, not variant, follows its lengths."""
+    return tuple(pointer_key(a) if isinstance(a, torch.Tensor) else int_key(a) for a in args)
+
+
 def device_of(t: torch.Tensor):
     """A context making t's CUDA device the current one (Triton launches on the current device's
     current stream), or nothing when it already is: under a device_map a layer's cache lives on

@@ -4,8 +4,8 @@ The dense route attends a forward's history and its own tokens apart (history.py
 share of each row's softmax weight is sigmoid(lse_history - lse_own). In torch that was a subtraction, a sigmoid,
 two casts, a lerp, a cast back and the value rotation's matmul into the output: seven launches per layer of every
 such forward, each with its host time. Here one program per 16 query rows of a (row, query head) reads both
-outputs and log-sum-exps, merges in fp32, rounds to the output dtype (as the torch ops did), rotates by Rv (a
-tensor-core product) and stores into the caller's buffer, whatever its strides.
+outputs and log-sum-exps, merges in fp32, rounds to the output dtype (as the torch ops did), rotates by Rv
+(rotation.dot_square) and stores into the caller's buffer, whatever its strides.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .codec_tensors import next_pow2
-from .device import device_traits
-from .fast_launch import LaunchSite, PlanCache, device_of, int_key, pointer_key
+from .fast_launch import LaunchSite, PlanCache, device_of, variant_key
+from .rotation import dot_square, dot_in_f32
 from .rounding import store_rounded
 
 MERGE_ROWS = 16  # query rows per program (a tensor-core product's narrowest M)
@@ -25,7 +25,8 @@ MERGE_ROWS = 16  # query rows per program (a tensor-core product's narrowest M)
 @triton.jit
 def _merge_kernel(oh_ptr, s_ohb, s_ohr, lh_ptr, s_lhb, s_lhr, oo_ptr, s_oob, s_ooh, s_ooi, lo_ptr, s_lob, s_loh, s_loi,
                   rot_ptr, dst_ptr, s_db, s_dh, s_di, LQ, G, HK,
-                  D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, DOT_F32: tl.constexpr):
+                  D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     """Program (t, h, b): query rows t * BLOCK + [0, BLOCK) of row b, query head h = kv * G + g. The history's output
     and log-sum-exp sit at row kv of b's KV heads (b * HK + kv), position g * LQ + i (each KV head's G x Lq query
     rows stacked); the own tokens' at [b, h, i]."""
@@ -48,14 +49,8 @@ def _merge_kernel(oh_ptr, s_ohb, s_ohr, lh_ptr, s_lhb, s_lhr, oo_ptr, s_oob, s_o
     # sigmoid(l_hist - l_own): the history's part of the weight (the exponent capped: e**80 already makes it 0)
     share = 1.0 / (1.0 + tl.exp(tl.minimum(l_own - l_hist, 80.0)))
     y = o_own + share[:, None] * (o_hist - o_own)
-    if ROT:
-        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :], mask=(cols[:, None] < D) & (cols[None, :] < D),
-                      other=0.0)
-        if DOT_F32:  # fp32 outputs; bf16 under the interpreter, whose bf16 dots return garbage (and whose casts
-            # to bf16 truncate: the merged rows stay fp32 there)
-            y = tl.dot(y, rot.to(tl.float32), input_precision="ieee")
-        else:  # the merged rows rounded to the output dtype first, as torch's lerp and cast did
-            y = tl.dot(y.to(dst_ptr.dtype.element_ty), rot)
+    if ROT:  # (the merged rows rounded to the output dtype first, as torch's lerp and cast did)
+        y = dot_square(y, rot_ptr, D, DP, DOT_F32)
     store_rounded(dst_ptr + b * s_db + h * s_dh + (i * s_di)[:, None] + cols[None, :], y, mask)
 
 
@@ -76,12 +71,12 @@ def merge_attention(o_hist: torch.Tensor, lse_hist: torch.Tensor, o_own: torch.T
                          "contiguous rotation")
     args = (o_hist, *o_hist.stride()[:2], lse_hist, *lse_hist.stride(), o_own, *o_own.stride()[:3], lse_own,
             *lse_own.stride(), rotation if rotation is not None else dst, dst, *dst.stride()[:3], lq, hq // hk, hk)
-    key = (rotation is not None, d, *(pointer_key(a) if isinstance(a, torch.Tensor) else int_key(a) for a in args))
+    key = (rotation is not None, d, *variant_key(args))
     site = _PLANS.get(key)
     if site is None:
         site = _PLANS.put(key, LaunchSite(_merge_kernel, (1, 1, 1), dict(
             D=d, DP=next_pow2(d), BLOCK=MERGE_ROWS, ROT=rotation is not None,
-            DOT_F32=dst.dtype == torch.float32 or not device_traits(dst.device).runs_ptx, num_warps=4)))
+            DOT_F32=dot_in_f32(dst.dtype, dst.device), num_warps=4)))
     with device_of(dst):
         site.regrid((triton.cdiv(lq, MERGE_ROWS), hq, b))(*args)
     return dst

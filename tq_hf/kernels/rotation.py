@@ -1,10 +1,13 @@
 """Rotations inside the kernels: the randomized Hadamard rotation (rotation="hadamard") built in registers
-instead of read, and a general D x D rotation applied with 3xTF32 dots."""
+instead of read, and a general D x D rotation applied with 3xTF32 dots (or one 16-bit pass for a few rows)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .device import device_traits
 
 
 @triton.jit
@@ -95,3 +98,21 @@ def matmul_square(x, m_ptr, D: tl.constexpr, DP: tl.constexpr, TRANSPOSED: tl.co
     y_even = tl.dot(x, b_even, input_precision="tf32x3")
     y_odd = tl.dot(x, b_odd, input_precision="tf32x3")
     return tl.reshape(tl.join(y_even, y_odd), (x.shape[0], DP))
+
+
+@triton.jit
+def dot_square(x, m_ptr, D: tl.constexpr, DP: tl.constexpr, F32: tl.constexpr):
+    """x [rows, DP] fp32 times the D x D matrix M at m_ptr, zero-padded to DP, in one tensor-core pass of M's dtype
+    (x rounded to it first, as a matmul in the model's dtype rounds its input), fp32 accumulation; F32 (dot_in_f32):
+    in fp32 instead. One pass where matmul_square takes six: for a few rows of exact tokens or outputs."""
+    k = tl.arange(0, DP)
+    m = tl.load(m_ptr + k[:, None] * D + k[None, :], mask=(k[:, None] < D) & (k[None, :] < D), other=0.0)
+    if F32:
+        return tl.dot(x, m.to(tl.float32), input_precision="ieee")
+    return tl.dot(x.to(m.dtype), m)
+
+
+def dot_in_f32(dtype: torch.dtype, device: torch.device) -> bool:
+    """dot_square's F32: fp32 matrices, and 16-bit ones under the interpreter, whose bf16 dots return garbage (and
+    whose casts to bf16 truncate)."""
+    return dtype == torch.float32 or not device_traits(device).runs_ptx

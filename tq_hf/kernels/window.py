@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ..layout import RING_GROUP, ring_record_bytes
 from .codec_tensors import next_pow2
-from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, int_key, pointer_key
+from .fast_launch import LaunchSite, PlanCache, argument_key, device_of, variant_key
 from .rounding import store_rounded
 from .tiles import _exact_cols
 
@@ -89,8 +89,7 @@ def ring_window(ring: torch.Tensor, new: torch.Tensor, start: int, offset: torch
         # a new shape: the plan of its kind (what int_key / pointer_key tell of each argument decides the compiled
         # variant), so a chat's next turn of a new length relaunches that plan's kernel without Triton's binder;
         # repeated shapes (a verification forward's few lengths) find theirs by the cheaper key above
-        kind = (d, q8, offset is not None, *map(pointer_key, (ring, new, out, ring if offset is None else offset)),
-                *map(int_key, ints))
+        kind = (d, q8, offset is not None, *variant_key((ring, new, out, ring if offset is None else offset) + ints))
         site = _KINDS.get(kind) or _KINDS.put(kind, LaunchSite(_window_kernel, (1, 1, 1), dict(
             D=d, DP=next_pow2(d), Q8=q8, HAS_OFFSET=offset is not None, BLOCK_T=WINDOW_SLOTS, num_warps=4)))
         _PLANS.put(key, site)
