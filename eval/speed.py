@@ -26,7 +26,7 @@ tokens per row, one more generate() step; "turn 2 s" = its time to the first tok
 the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K adds a run of generate() with
 prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
 prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's (batch 1 only:
-transformers' assisted decoding takes one sequence). --prefill-chunk C prefills every run's prompt in chunks of C
+transformers' assisted decoding takes one sequence, and not its QuantizedCache, which it cannot crop). --prefill-chunk C prefills every run's prompt in chunks of C
 tokens per row (every cache alike, its last token by generate()): the decode steps read the same history, and the
 prompt's activations shrink to a chunk's (at B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP
 activations beside its 16 GiB of KV, more than an 80 GB GPU holds). --generate-chunks C prefills through
@@ -316,8 +316,8 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
         turn2 = args.turn2_tokens + 1 if args.turn2_tokens else 0  # a next turn's tokens and its answer
         cache = spec.build(model.config, context + args.new_tokens + 1 + turn2)
     # prompt lookup builds caches of its own size (timed for the growing caches only); transformers' assisted
-    # decoding takes one sequence
-    lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 else args.prompt_lookup
+    # decoding takes one sequence, and cannot crop its QuantizedCache (5.17 fails inside crop(), later versions refuse)
+    lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 or spec.family == "hf-quantized" else args.prompt_lookup
     extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup, prefill_chunk=args.prefill_chunk,
                  generate_chunks=args.generate_chunks)
     with torch.inference_mode():

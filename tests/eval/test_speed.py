@@ -199,3 +199,28 @@ def test_generate_chunks_prefill_through_generates_own_chunking(tmp_path, monkey
         speed.parse_args(["--generate-chunks", "8", "--prefill-chunk", "8"])
     with pytest.raises(SystemExit):
         speed.parse_args(["--generate-chunks", "-1"])
+
+
+def test_prompt_lookup_left_out_for_transformers_quantized_cache(monkeypatch):
+    """transformers' assisted decoding cannot crop a QuantizedCache (5.17 fails inside crop(), later versions
+    refuse it): its rows take no prompt-lookup run, where every growing TurboQuant cache takes one."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from eval import common
+
+    lookups = {}
+
+    def fake_run(model, spec, prompt, new_tokens, device, cache=None, lookup=0, **_):
+        lookups[spec.name] = lookup
+        return {"prefill_s": 0.1, "decode_ms_per_token": 1.0, "cache_bytes": 1, "peak_kv_side_bytes": None}
+
+    monkeypatch.setattr(speed, "one_run", fake_run)
+    monkeypatch.setattr(common, "set_attention", lambda model, name: None)
+    model = SimpleNamespace(config=LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               num_hidden_layers=2, intermediate_size=128, vocab_size=97))
+    args = speed.parse_args(["--preset-set", "tiny", "--prompt-lookup", "3", "--device", "cpu", "--repeats", "1"])
+    for name in ("quanto-int4", "hqq-int4", "4bit-all"):
+        speed.measure(model, common.cache_spec(name), 1, 32, args)
+    assert lookups == {"quanto-int4": 0, "hqq-int4": 0, "4bit-all": 3}

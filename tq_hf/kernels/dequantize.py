@@ -366,7 +366,10 @@ def rotated_mean(layout: BlockLayout, key_offset: torch.Tensor | None) -> torch.
     """The key_centering mean in the key rotation's space, as dequantize_rotated takes it (FP8 keys: as it is)."""
     if key_offset is None or not layout.config.uses_codebook:
         return key_offset
-    return key_offset @ codec_tensors(layout, str(key_offset.device))[0].T
+    rotation_t = codec_tensors(layout, str(key_offset.device))[0].T
+    # a broadcast product summed, not a matmul: cuBLAS ran the 8 x 128 by 128 x 128 fp32 product as one tile, 53 us
+    # on an H100, a sixth of a 64-query forward over 32k in 3bit
+    return (key_offset.unsqueeze(-1) * rotation_t).sum(-2)
 
 
 def dequantize(pool: torch.Tensor, layout: BlockLayout, block_table: torch.Tensor,
