@@ -26,11 +26,12 @@ tokens per row, one more generate() step; "turn 2 s" = its time to the first tok
 the S + 1 + new-tokens history), with its ratio to fp16's. --prompt-lookup K adds a run of generate() with
 prompt_lookup_num_tokens=K (assisted decoding's verification forwards of up to K + 1 tokens) over the same
 prompt made repetitive (its first quarter repeated), reported as tokens/s and its ratio to fp16's (batch 1 only:
-transformers' assisted decoding takes one sequence, and not its QuantizedCache, which it cannot crop). --prefill-chunk C prefills every run's prompt in chunks of C
-tokens per row (every cache alike, its last token by generate()): the decode steps read the same history, and the
-prompt's activations shrink to a chunk's (at B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP
-activations beside its 16 GiB of KV, more than an 80 GB GPU holds). --generate-chunks C prefills through
-generate(prefill_chunk_size=C) instead, as a user would: generate() compiles a fixed-capacity cache's chunks.
+transformers' assisted decoding takes one sequence; not for its QuantizedCache, which it cannot crop).
+--prefill-chunk C prefills every run's prompt in chunks of C tokens per row (every cache alike, its last token
+by generate()): the decode steps read the same history, and the prompt's activations shrink to a chunk's (at
+B=16, S=32k fp16's one-forward prefill needs ~45 GiB of MLP activations beside its 16 GiB of KV, more than an
+80 GB GPU holds). --generate-chunks C prefills through generate(prefill_chunk_size=C) instead, as a user would:
+generate() compiles a fixed-capacity cache's chunks.
 
 --preset-set full (GPU, ~6 min on an H200): (B=16, S=32k), (B=1, S=32k), (B=8, S=8k) first, then
 a context sweep for the plots; --time-budget skips what would not fit. --preset-set tiny: a
@@ -317,7 +318,8 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
         cache = spec.build(model.config, context + args.new_tokens + 1 + turn2)
     # prompt lookup builds caches of its own size (timed for the growing caches only); transformers' assisted
     # decoding takes one sequence, and cannot crop its QuantizedCache (5.17 fails inside crop(), later versions refuse)
-    lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 or spec.family == "hf-quantized" else args.prompt_lookup
+    cannot_crop = spec.family == "hf-quantized"
+    lookup = 0 if spec.name.endswith(COMPILED) or batch > 1 or cannot_crop else args.prompt_lookup
     extra = dict(turn2_tokens=args.turn2_tokens, lookup=lookup, prefill_chunk=args.prefill_chunk,
                  generate_chunks=args.generate_chunks)
     with torch.inference_mode():
