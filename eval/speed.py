@@ -1,7 +1,7 @@
 """generate() speed and KV memory: decode ms/token, prefill time and peak memory vs context and batch.
 
 Caches: fp16 DynamicCache + sdpa (the reference), HF QuantizedCache int4 (quanto, hqq; when
-installed) and TurboQuantCache presets with every layer compressed ("<preset>-all"; the model is
+installed; a failure inside one is recorded on its row) and TurboQuantCache presets with every layer compressed ("<preset>-all"; the model is
 random-init, so keeping boundary layers exact would only measure a dense cache twice). A name ending
 in "+compile" is the compiled counterpart: "fp16+compile" a StaticCache, "<preset>-all+compile" a
 TurboQuantCache with max_cache_len, each sized for the run (S + new tokens) and reused across its runs
@@ -45,6 +45,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -334,6 +335,9 @@ def measure(model, spec, batch: int, context: int, args) -> dict:
     return best
 
 
+PEER_FAMILIES = ("hf-quantized",)  # other projects' caches (transformers' QuantizedCache), measured beside these
+
+
 def run_points(model, specs, args, checkpoint=None) -> list[dict]:
     """Every (point, cache) run in order; `checkpoint(rows)` after each, so a killed run keeps its figures."""
     rows, started = [], time.perf_counter()
@@ -351,6 +355,13 @@ def run_points(model, specs, args, checkpoint=None) -> list[dict]:
                     # torch's message up to what it asked and what was free (its advice runs on for lines)
                     row["skipped"] = f"out of memory: {str(exc).splitlines()[0].split('. Including')[0]}"
                     torch.cuda.empty_cache()
+                except Exception as exc:
+                    if spec.family not in PEER_FAMILIES:
+                        raise
+                    # a peer's failure (its library, or transformers' support of it) is its row's result, not the
+                    # end of the run; this project's own caches fail loudly
+                    traceback.print_exc()
+                    row["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             rows.append(row)
             bar.update()
             if checkpoint is not None:

@@ -224,3 +224,23 @@ def test_prompt_lookup_left_out_for_transformers_quantized_cache(monkeypatch):
     for name in ("quanto-int4", "hqq-int4", "4bit-all"):
         speed.measure(model, common.cache_spec(name), 1, 32, args)
     assert lookups == {"quanto-int4": 0, "hqq-int4": 0, "4bit-all": 3}
+
+
+def test_a_peer_cache_that_fails_is_its_rows_result(monkeypatch, capsys):
+    """A failure inside another project's cache (transformers' QuantizedCache, its backend) is recorded on its row
+    and the run goes on; one of this project's caches failing ends the run."""
+    from eval import common
+
+    def measure(model, spec, batch, context, args):
+        if spec.name != "fp16":
+            raise IndexError("too many indices for tensor of dimension 1")
+        return {"decode_ms_per_token": 1.0}
+
+    monkeypatch.setattr(speed, "measure", measure)
+    args = speed.parse_args(["--preset-set", "tiny", "--points", "1x32", "--device", "cpu"])
+    specs = [common.cache_spec(name) for name in ("fp16", "quanto-int4", "hqq-int4")]
+    rows = speed.run_points(None, specs, args)
+    assert [r.get("skipped") for r in rows] == [None] + ["failed: IndexError: too many indices for tensor of dimension 1"] * 2
+    assert "IndexError" in capsys.readouterr().err
+    with pytest.raises(IndexError):
+        speed.run_points(None, [common.cache_spec("4bit-all")], args)
