@@ -1,9 +1,9 @@
 """generate() speed and KV memory: decode ms/token, prefill time and peak memory vs context and batch.
 
 Caches: fp16 DynamicCache + sdpa (the reference), HF QuantizedCache int4 (quanto, hqq; when
-installed; a failure inside one is recorded on its row) and TurboQuantCache presets with every layer compressed ("<preset>-all"; the model is
-random-init, so keeping boundary layers exact would only measure a dense cache twice). A name ending
-in "+compile" is the compiled counterpart: "fp16+compile" a StaticCache, "<preset>-all+compile" a
+installed; a failure inside one is recorded on its row) and TurboQuantCache presets with every layer
+compressed ("<preset>-all"; the model is random-init, so keeping boundary layers exact would only measure a
+dense cache twice). A name ending in "+compile" is the compiled counterpart: "fp16+compile" a StaticCache, "<preset>-all+compile" a
 TurboQuantCache with max_cache_len, each sized for the run (S + new tokens) and reused across its runs
 (reset between them), with which generate() compiles the decode step by itself (on CUDA: inductor,
 mode="reduce-overhead", i.e. CUDA graphs; on CPU dynamo's eager backend, which only exercises the path).
@@ -361,7 +361,7 @@ def run_points(model, specs, args, checkpoint=None) -> list[dict]:
                     # a peer's failure (its library, or transformers' support of it) is its row's result, not the
                     # end of the run; this project's own caches fail loudly
                     traceback.print_exc()
-                    row["skipped"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                    row["skipped"] = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
             rows.append(row)
             bar.update()
             if checkpoint is not None:
