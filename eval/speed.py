@@ -4,9 +4,9 @@ Caches: fp16 DynamicCache + sdpa (the reference), HF QuantizedCache int4 (quanto
 installed; a failure inside one is recorded on its row) and TurboQuantCache presets with every layer
 compressed ("<preset>-all"; the model is random-init, so keeping boundary layers exact would only measure a
 dense cache twice). A name ending in "+compile" is the compiled counterpart: "fp16+compile" a StaticCache,
-"<preset>-all+compile" a TurboQuantCache with max_cache_len, each sized for the run (S + new tokens) and reused across its runs
-(reset between them), with which generate() compiles the decode step by itself (on CUDA: inductor,
-mode="reduce-overhead", i.e. CUDA graphs; on CPU dynamo's eager backend, which only exercises the path).
+"<preset>-all+compile" a TurboQuantCache with max_cache_len, each sized for the run (S + new tokens) and reused
+across its runs (reset between them), with which generate() compiles the decode step by itself (on CUDA:
+inductor, mode="reduce-overhead", i.e. CUDA graphs; on CPU dynamo's eager backend, which only exercises the path).
 Ratios: decode vs fp16 (DynamicCache) and vs fp16+compile (StaticCache) at the same point. Model:
 a random-init Llama with Llama-3.1-8B attention and MLP shapes (32 query / 8 KV heads, head_dim
 128, hidden 4096) and few layers (--model random:llama-3.1-8b,layers=8).
