@@ -21,12 +21,13 @@ _GRID_POINTS = 1 << 17
 
 
 def _ordinary_tensors(fn):
-    """Build cached constants outside inference mode: a tensor created under
-    torch.inference_mode() could not be used by a later forward with autograd on."""
+    """Build cached constants outside inference mode (a tensor created under torch.inference_mode() could not be
+    used by a later forward with autograd on) and on the CPU whatever torch's default device (a seeded CPU generator
+    fails on another one; callers move the constants where they need them)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), torch.device("cpu"):
             return fn(*args, **kwargs)
 
     return wrapper

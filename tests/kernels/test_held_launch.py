@@ -19,10 +19,17 @@ from tq_hf.config import TurboQuantConfig
 from tq_hf.kernels import HeldAttention, HeldStore, store_kv, unified_attention
 from tq_hf.kernels import attention as attention_kernel
 
-from kernel_helpers import (attention_tolerance, compare_pools, default_scale, exact_prefix, fill_cache, make_layout,
-                            rel_error)
+from kernel_helpers import (DEVICE, attention_tolerance, compare_pools, default_scale, exact_prefix, fill_cache,
+                            make_layout, rel_error)
 
 HEADS, KV_HEADS, DIM = 4, 2, 64  # block_size 16 at head_dim 64
+
+
+@pytest.fixture(autouse=True)
+def on_the_kernels_device():
+    """Every tensor these tests make lives where fill_cache's pools do (the GPU where there is one)."""
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture
@@ -114,13 +121,13 @@ def test_held_store_replans_for_replaced_tensors(holds):
         assert torch.equal(lens, want_lens)
         assert torch.equal(ring[0], want_ring[0]) and torch.equal(ring[1], want_ring[1])
 
-    pool = layout.allocate(8, "cpu")
+    pool = layout.allocate(8, DEVICE)
     ring = (torch.zeros(2, KV_HEADS, 4, DIM), torch.zeros(2, KV_HEADS, 4, DIM))
     lens = torch.zeros(2, dtype=torch.int32)
     check(pool, first, ring, lens, 3, 3)
     check(pool, first, ring, lens, 4, 4)
     assert holds["store"] == 1
-    grown = layout.allocate(16, "cpu")
+    grown = layout.allocate(16, DEVICE)
     pool.fill_(0xFF)
     check(grown, first, ring, lens, 5, 5)
     check(grown, torch.tensor([0, 32]), ring, lens, 6, 6)  # rows laid out further apart (a grown pool's table)
@@ -142,7 +149,7 @@ def test_held_attention_follows_a_replaced_split_workspace(holds, monkeypatch):
     out = torch.full_like(q, float("nan"))
     unified_attention(q, pool, layout, table, seq, 0.1, out=out, max_seq_len=301, held=held)
     assert attention_kernel.plan_attention(q, pool, layout, table, seq, 0.1, max_seq_len=301).split
-    workspace.split_workspace(torch.device("cpu"), 1 << 22)  # another launch needed more: replaced
+    workspace.split_workspace(pool.device, 1 << 22)  # another launch needed more: replaced
     out.fill_(float("nan"))
     unified_attention(q, pool, layout, table, seq, 0.1, out=out, max_seq_len=301, held=held)
     want = reference.paged_attention(q, pool, layout, table, seq, 0.1)

@@ -947,10 +947,10 @@ def test_gpu_hadamard_choices(preset, q_len, hadamard):
     assert seen["HADAMARD"] is False, seen
 
 
-@pytest.mark.parametrize("preset,options,maxnreg", [("3bit", False, 168), ("3bit", True, None), ("k3v4", True, 128)])
+@pytest.mark.parametrize("preset,options,maxnreg", [("3bit", False, 168), ("3bit", True, 168), ("k3v4", True, 128)])
 def test_gpu_three_bit_register_caps(preset, options, maxnreg):
-    """3-bit key planes at B=16 on an H200: the 3bit plain format in 168 registers, with centering and value
-    rotation uncapped; k3v4 in 128 (measured each way)."""
+    """3-bit key planes at B=16 on an H200: 3bit in 168 registers (with centering and value rotation, splits for one
+    wave of 3 programs per SM: test_launch_config); k3v4 in 128 (measured each way)."""
     layout = make_layout(preset, 8, 128, key_centering=options, value_rotation=options)
     pool, table = fill_cache(layout, [64] * 16, "cpu")
     kw = {"key_offset": torch.zeros(8, 128)} if options else {}
@@ -1132,6 +1132,22 @@ def test_head_pairs_with_format_options_gpu(batch):
     lens = [8192 - 37 * i for i in range(batch)]
     kw = _fidelity_options(layout, 4, "cuda") | {"key_offset": torch.randn(batch, 8, 128, device="cuda") * 3}
     _check(layout, lens, 1, 4, dtype=torch.bfloat16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levers", [False, True])
+def test_three_bit_decode_in_one_wave_gpu(levers):
+    """3bit where the batch fills the GPU (16 rows of odd lengths x 8 KV heads), as the launcher plans it: 168
+    registers and splits for one wave of 3 programs per SM (not a power of two); with the levers the key means per
+    row and head, value rotation, the exact prefix and ring."""
+    layout = make_layout("3bit", 8, 128, key_centering=levers, value_rotation=levers)
+    lens = [4096 - 37 * i for i in range(16)]
+    if levers:
+        kw = _fidelity_options(layout, 4, "cuda") | {"key_offset": torch.randn(16, 8, 128, device="cuda") * 3}
+        kw |= {"prefix_len": 4, "recent": (128, 0)}
+    else:
+        kw = {}
+    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=4096, **kw)
 
 
 @pytest.mark.gpu
@@ -1388,8 +1404,9 @@ def test_fp8_keys_meta_pairs_decode(options):
 @pytest.mark.slow
 def test_head_pairs_decode(head_dim, meta_words):
     layout = make_layout("4bit", 2, head_dim, 16)
-    tuning = {"key_words": True, "head_pairs": 2} | ({"meta_words": True, "vmid_chain": True, "bt_next": True}
-                                                     if meta_words else {})
+    # (value words asked for: a GPU's plan leaves them out at head_dim 64, where pairs are not its default)
+    meta = {"meta_words": True, "vmid_chain": True, "bt_next": True} if meta_words else {}
+    tuning = {"key_words": True, "value_words": True, "head_pairs": 2} | meta
     _check(layout, [71, 34], 1, 4, num_splits=3, kv_start=torch.tensor([3, 0], device=DEVICE), launch=LaunchConfig(**tuning), softcap=5.0)
     _check(layout, [71, 34], 1, 4, launch=LaunchConfig(**tuning))
     _check(layout, [71, 34], 2, 3, sliding_window=21, kv_start=torch.tensor([0, 5], device=DEVICE), launch=LaunchConfig(**tuning))
@@ -1405,7 +1422,8 @@ def test_head_pairs_decode(head_dim, meta_words):
 @pytest.mark.slow
 def test_head_pairs_with_format_options(head_dim, block_size, exact_program):
     layout = make_layout("4bit", 2, head_dim, block_size, key_centering=True, value_rotation=True)
-    tuning = {"key_words": True, "head_pairs": 2, "meta_words": True, "exact_program": exact_program}
+    tuning = {"key_words": True, "value_words": True, "head_pairs": 2, "meta_words": True,
+              "exact_program": exact_program}
     _check_decode_walks(layout, True, tuning)
     wide = make_layout("4bit", 4, head_dim, block_size, key_centering=True, value_rotation=True)
     kw = _fidelity_options(wide, 2) | {"key_offset": torch.randn(2, 4, head_dim, device=DEVICE) * 3}

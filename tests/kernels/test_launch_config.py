@@ -328,3 +328,19 @@ def test_three_bit_verification_fills_one_wave_of_three_programs_per_sm(preset, 
     if maxnreg:  # uncapped: 2 programs per SM, the power-of-two splits (16) for 3 waves
         uncapped = plan_attention(*args, **kwargs, launch=LaunchConfig(maxnreg=0))
         assert (uncapped.grid[0], uncapped.constants.get("maxnreg")) == (2 * 16, None)
+
+
+@pytest.mark.parametrize("batch,splits,maxnreg", [(16, 3, 168), (12, 4, 168), (32, 2, None)])
+def test_three_bit_decode_with_its_levers_fills_one_wave_of_three_programs_per_sm(batch, splits, maxnreg):
+    """3bit with its levers at head_dim 128 once the batch fills an H200: 168 registers (3 programs per SM) and as
+    many splits as fill one wave of them (3 x 132 // (batch x 8 KV heads)), not the power of two above it; where
+    that is one split (B=32), uncapped with the power-of-two splits; the plain format keeps 168 registers and the
+    power of two; an override decides."""
+    layout = make_layout("3bit", 8, 128, key_centering=True, value_rotation=True)
+    args = _decode_args(layout, batch)
+    plan = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+    assert (plan.grid[0], plan.constants.get("maxnreg")) == (splits, maxnreg), plan.grid
+    uncapped = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(maxnreg=0))
+    assert (uncapped.grid[0], uncapped.constants.get("maxnreg")) == (4 if batch < 32 else 2, None), uncapped.grid
+    plain = plan_attention(*_decode_args(make_layout("3bit", 8, 128), batch), max_seq_len=32768, device_traits=H200)
+    assert (plain.grid[0], plain.constants.get("maxnreg")) == (4 if batch < 32 else 2, 168), plain.grid

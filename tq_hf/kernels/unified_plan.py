@@ -62,9 +62,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     plain_format = not (prefix_len or recent_size or key_offset is not None or cfg.value_rotation)
     # two KV heads per program: their query rows share one 16-row MMA tile, so the softmax, its reductions and
     # P's trip through shared memory serve both heads (faster at every batch, with and without the levers)
-    pairs = bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8
+    # (not where the caller's LaunchConfig asks for what pairs exclude: metadata pairs, byte-wise codes)
+    pairs = (bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8 and not launch.meta_pairs
+             and launch.key_words is not False and launch.value_words is not False)
     hp = _pick(launch.head_pairs, 2 if pairs else 1)
     verify4 = verify3 = False  # a verification forward of 4-bit / 3-bit keys on 16-row tiles (below)
+    one_wave3 = False  # 3-bit keys and values in 168 registers once the batch fills the GPU: splits for one wave
     if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
         block_m = max(16, next_pow2(rows))
         if cfg.key_bits == 8 and d == 128 and on_gpu:
@@ -120,9 +123,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # 1.47; 8/4/256 B=16 0.390 -> 0.371; the other presets gained <= 2% or lost, 4bit 8/4/256 B=16 8%)
             wide, maxnreg = True, 128
         elif words3 and d == 128 and batch_fills_gpu:
-            # 3-bit code planes: k3v4 in 128 registers; 3bit's plain format in 168, with the levers uncapped (B=16
-            # S=32k: 0.564 ms against 0.583 in 168 and 0.63 in 128, which spilled)
-            maxnreg = (168 if plain_format else None) if cfg.value_bits == 3 else 128
+            # 3-bit code planes: k3v4 in 128 registers; 3bit's plain format in 168; with the levers in 168 too (3
+            # programs per SM) where splits fill one wave of them (below), else uncapped (H100, S=32k with the
+            # levers: B=16 0.515 ms uncapped, 0.471 in 168 with 3 splits, 0.606 with 4 (1.29 waves); S=128k 1.876
+            # -> 1.763; B=32, one split a wave, 1.091 against 1.000 uncapped; the plain format lost with 3 splits,
+            # 0.501 against 0.470 with 4)
+            one_wave3 = cfg.value_bits == 3 and not plain_format and 3 * sms // (b * hk) >= 2
+            maxnreg = 128 if cfg.value_bits != 3 else 168 if plain_format or one_wave3 else None
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch, plain format: 2-warp programs on 128-token tiles, twice the splits (levers: slower)
             block_n, narrow = 128, True
@@ -210,7 +217,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # (several row tiles too: a chunk of queries over a long history, which few programs would walk alone)
         want = min(triton.cdiv(waves * sms, programs), kv_tiles, 128)
         num_splits = 1 << (want.bit_length() - 1)
-        if verify3 and maxnreg == 168:  # one full wave of 3 programs per SM, not a power of two (24 at 8 KV heads)
+        if (verify3 or one_wave3) and maxnreg == 168:
+            # one full wave of 3 programs per SM, not a power of two (24 at 8 KV heads, 3 at B=16)
             num_splits = max(1, min(3 * sms // programs, kv_tiles))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
