@@ -411,6 +411,34 @@ def test_a_fixed_capacity_is_reused_across_generate_calls_without_reallocating()
     assert all(a is b for a, b in zip(pools, (l.pool for l in cache.layers if isinstance(l, TurboQuantLayer))))
 
 
+def test_fixed_capacity_layers_share_their_read_only_tables(dynamo):
+    """The block table and the rows' first slots are the same in every fixed-capacity layer: one pair of tensors
+    (a compiled step takes and guards them once, not per layer), which decode steps and beam reorders never write,
+    equal to what each layer's geometry gives; a growing cache keeps its own per layer."""
+    model = tiny_model("llama")
+    cfg = tq_config(preset="4bit", dense_layer_kl=None)
+    cache = TurboQuantCache(model.config, tq_config=cfg, max_cache_len=64)
+    ids = prompts()
+    decode_loop(model, cache, torch.compile(model.forward, fullgraph=True, backend="eager"), ids)
+    assert_one_graph(dynamo)
+    layers = [layer for layer in cache.layers if isinstance(layer, TurboQuantLayer)]
+    assert len(layers) >= 2
+    first = layers[0]
+    t, rows = first.layout.block_size, first.rows
+    want_table = torch.arange(first.capacity)[None, :] * rows + torch.arange(rows)[:, None]
+    for layer in layers:
+        assert layer.block_table is first.block_table and layer._row_slots is first._row_slots
+    assert torch.equal(first.block_table.long(), want_table)
+    assert torch.equal(first._row_slots, torch.arange(rows) * t)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert all(layer.block_table is first.block_table for layer in layers)
+    assert torch.equal(first.block_table.long(), want_table)
+    growing = TurboQuantCache(model.config, tq_config=cfg)
+    decode_loop(model, growing, model.forward, ids, steps=2)
+    own = [layer for layer in growing.layers if isinstance(layer, TurboQuantLayer)]
+    assert own[0].block_table is not own[1].block_table
+
+
 def test_a_fixed_capacity_takes_another_batch_size_after_reset():
     """reset() empties a fixed-capacity cache for a batch of any size: the compressed layers' pools and the dense
     layer's buffers take the new size (the same tokens as a fresh cache), a batch of the same size keeps the dense

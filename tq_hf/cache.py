@@ -41,6 +41,7 @@ from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, Dyna
 from transformers.utils import logging
 
 from . import ops, reference
+from .codebook import _ordinary_tensors
 from .config import SLIDING_COMPRESS_MIN_WINDOW, TurboQuantConfig
 from .layout import BlockLayout, ring_record_bytes
 from .support import ATTENTION_NAME, check_supported
@@ -911,12 +912,15 @@ class TurboQuantLayer(CacheLayerMixin):
     def _rebuild_tables(self) -> None:
         """Block table [rows, capacity] = block * rows + row, and the persistent per-row buffers."""
         self.launches.drop()  # (their tensors are replaced: no old pool stays referenced)
-        rows = torch.arange(self.rows, device=self.device, dtype=torch.int32)
-        blocks = torch.arange(self.capacity, device=self.device, dtype=torch.int32)
         static = self.max_cache_len is not None
-        self.block_table = _static(blocks[None, :] * self.rows + rows[:, None], static)
+        if static and not torch.compiler.is_compiling():
+            # read-only and the same in every fixed-capacity layer of this geometry: one pair of tensors, so a
+            # compiled step's graph takes (and dynamo guards) them once, not per layer (docs/performance.md)
+            self.block_table, self._row_slots = _shared_tables(self.rows, self.capacity, self.layout.block_size,
+                                                               str(self.device))
+        else:
+            self.block_table, self._row_slots = _tables(self.rows, self.capacity, self.layout.block_size, self.device)
         self.seq_lens = _static(torch.full((self.rows,), self.length, dtype=torch.int32, device=self.device), static)
-        self._row_slots = _static(rows.long() * self.layout.block_size, static)  # slot of (block 0, offset 0) of each row
         self._step_slots = torch.empty_like(self._row_slots)  # a decode step's slots (persistent: no allocation)
 
     def _slot_shift(self, position: int) -> int:
@@ -977,6 +981,22 @@ class TurboQuantLayer(CacheLayerMixin):
         if rebuild:
             self.rows = new_rows
             self._rebuild_tables()
+
+
+def _tables(rows: int, capacity: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table [rows, capacity] int32 (block * rows + row) and each row's first slot [rows] int64 (row *
+    block_size: block 0, offset 0)."""
+    row = torch.arange(rows, device=device, dtype=torch.int32)
+    block = torch.arange(capacity, device=device, dtype=torch.int32)
+    return block[None, :] * rows + row[:, None], row.long() * block_size
+
+
+@functools.lru_cache(maxsize=16)
+@_ordinary_tensors
+def _shared_tables(rows: int, capacity: int, block_size: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """_tables for fixed-capacity layers, one pair per geometry and device, static addresses (never written)."""
+    block_table, row_slots = _tables(rows, capacity, block_size, device)
+    return _static(block_table), _static(row_slots)
 
 
 @functools.lru_cache(maxsize=32)
