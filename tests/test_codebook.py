@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy import integrate, special, stats
 
-from tq_hf.codebook import Codebook, codebook_mse, lloyd_max, rotation_matrix
 from tq_hf import codebook as codebook_module
+from tq_hf.codebook import Codebook, codebook_mse, lloyd_max, rotation_matrix
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 # Gaussian N(0, 1) Lloyd-Max MSE (Max 1960; also the TurboQuant paper's per-coordinate figures).
@@ -245,15 +245,14 @@ def test_4bit_key_centroids_on_the_byte_grid_cost_little(head_dim):
     assert mse(book.centroids) < mse(snapped) <= 1.002 * mse(book.centroids)
 
 
-
 @pytest.mark.parametrize("kind", ["hadamard", "random"])
 def test_constants_build_whatever_the_default_device(kind):
     """Under torch.set_default_device(...) (here the meta device; on a GPU, "cuda") the seeded rotations and the
     codebooks are still built on the CPU, equal to the same functions run uncached without it (sizes and a seed no
     other test asks for, so the cached builders run here first)."""
     with torch.device("meta"):
-        got = codebook_module.rotation_matrix(32, kind, 4321, "cpu")
-        book = codebook_module.lloyd_max(40, 3, "cpu")
+        got = rotation_matrix(32, kind, 4321, "cpu")
+        book = lloyd_max(40, 3, "cpu")
     want = codebook_module._rotation_cpu.__wrapped__.__wrapped__(32, kind, 4321)
     want_book = codebook_module._lloyd_max_cpu.__wrapped__.__wrapped__(40, 3)
     assert got.device.type == "cpu" and torch.equal(got, want)
