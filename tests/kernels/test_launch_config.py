@@ -334,8 +334,8 @@ def test_three_bit_verification_fills_one_wave_of_three_programs_per_sm(preset, 
 def test_three_bit_decode_with_its_levers_fills_one_wave_of_three_programs_per_sm(batch, splits, maxnreg):
     """3bit with its levers at head_dim 128 once the batch fills an H200: 168 registers (3 programs per SM) and as
     many splits as fill one wave of them (3 x 132 // (batch x 8 KV heads)), not the power of two above it; where
-    that is one split (B=32), uncapped with the power-of-two splits; the plain format keeps 168 registers and the
-    power of two; an override decides."""
+    that is one split (B=32), uncapped with the power-of-two splits, as are tiles of more rows; the plain format keeps
+    168 registers and the power of two; an override decides."""
     layout = make_layout("3bit", 8, 128, key_centering=True, value_rotation=True)
     args = _decode_args(layout, batch)
     plan = plan_attention(*args, max_seq_len=32768, device_traits=H200)
@@ -344,3 +344,7 @@ def test_three_bit_decode_with_its_levers_fills_one_wave_of_three_programs_per_s
     assert (uncapped.grid[0], uncapped.constants.get("maxnreg")) == (4 if batch < 32 else 2, None), uncapped.grid
     plain = plan_attention(*_decode_args(make_layout("3bit", 8, 128), batch), max_seq_len=32768, device_traits=H200)
     assert (plain.grid[0], plain.constants.get("maxnreg")) == (4 if batch < 32 else 2, 168), plain.grid
+    q, *rest = args  # 8 new tokens per row (32 rows per KV head: a 32-row tile, unmeasured in 168): uncapped
+    verify = plan_attention(torch.randn(batch, 32, 8, 128, dtype=torch.float16), *rest, max_seq_len=32768,
+                            device_traits=H200)
+    assert verify.constants.get("maxnreg") is None, verify.grid
