@@ -129,7 +129,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             # -> 1.763; B=32, one split a wave, 1.091 against 1.000 uncapped; the plain format lost with 3 splits,
             # 0.501 against 0.470 with 4); one 16-row tile (a decode step), the case measured
             one_wave3 = cfg.value_bits == 3 and not plain_format and rows <= 16 and 3 * sms // (b * hk) >= 2
-            maxnreg = 128 if cfg.value_bits != 3 else 168 if plain_format or one_wave3 else None
+            if cfg.value_bits != 3:
+                maxnreg = 128
+            elif plain_format or one_wave3:
+                maxnreg = 168
         elif words and d == 128 and on_gpu and b * hk >= 16 and plain_format:
             # mid batch, plain format: 2-warp programs on 128-token tiles, twice the splits (levers: slower)
             block_n, narrow = 128, True
