@@ -367,8 +367,8 @@ def rotated_mean(layout: BlockLayout, key_offset: torch.Tensor | None) -> torch.
     if key_offset is None or not layout.config.uses_codebook:
         return key_offset
     rotation_t = codec_tensors(layout, str(key_offset.device))[0].T
-    # a broadcast product summed (two ~2.5 us launches), not a matmul: cuBLAS ran the 8 x 128 by 128 x 128 fp32
-    # product as one tile, 53 us on an H100, a sixth of a 64-query forward over 32k in 3bit
+    # a broadcast product summed (two short launches), not a matmul: cuBLAS ran the 8 x 128 by 128 x 128 fp32
+    # product as one tile, a large share of a many-query forward's device time (docs/performance.md)
     return (key_offset.unsqueeze(-1) * rotation_t).sum(-2)
 
 

@@ -36,12 +36,8 @@ from .device import device_traits
 from .fast_launch import device_of
 from .lse_merge import merge_attention
 
-# The dense route from this much unified-kernel work: query rows (query heads per KV head x queries, summed over the
-# batch) x positions. The unified kernel decodes the history once per tile of query rows in one launch; the dense
-# route decodes it once but costs 0.3-0.9 ms of host time per call, by the machine. eval.bench_chunks (32/8/128
-# fp16, S=4k-32k) put the crossover over 32k at 80 (4bit), 56 (k8v4), 44 (k3v4) and 32 (3bit) queries on an H100
-# host that launched the dense route in 0.3-0.5 ms, at ~200, ~128, ~128 and ~90 on an H200 host whose launches were
-# about twice as slow; the thresholds sit between the two (docs/performance.md), by the format's key and value bits:
+# The dense route from this much work, query rows (query heads per KV head x queries, over the batch) x positions: it
+# decodes the history once, not per query-row tile, but costs host time: set between two hosts' crossovers, by format:
 DENSE_HISTORY_MIN_WORK_3BIT = 112 << 16  # 3-bit keys and values (3bit): 56 queries over 32k
 DENSE_HISTORY_MIN_WORK_3BIT_KEYS = 144 << 16  # 3-bit keys, 4-bit values (k3v4): 72 queries over 32k
 DENSE_HISTORY_MIN_WORK_FP8_KEYS = 160 << 16  # FP8 keys (k8v4): 80 queries over 32k
@@ -49,8 +45,7 @@ DENSE_HISTORY_MIN_WORK = 256 << 16  # 4-bit keys and anything else: 128 queries 
 DENSE_HISTORY_BYTES = 1 << 30  # the dense K/V of one group of rows; rows beyond it go in later groups
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # the history attended apart from the forward's own tokens once its stacked query rows make this many 128-row
-# tiles per SM: B=1, S=32k, 32/8/128 fp16 on an H200, 512 queries (1.0 tile per SM) 0.64 against 1.07 ms for one
-# SDPA call, 256 queries (0.5) 0.62 against 0.53 (docs/performance.md)
+# tiles per SM: faster than one SDPA call at a tile per SM, slower at half of one (docs/performance.md)
 SPLIT_HISTORY_TILES_PER_SM = 0.75
 _CUDNN_REFUSED: set[tuple] = set()  # (device, dtype, head_dim) where cuDNN attention raised: one SDPA call there
 

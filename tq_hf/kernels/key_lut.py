@@ -51,9 +51,7 @@ def _tables(words: dict[str, int], pinned: bool) -> str:
 # $2: 4 code bytes (low nibble: coordinate j of the head's first half, high nibble: j + D/2).
 # $0, $1: fp16 centroids of bytes 0-1 and 2-3: of their low nibbles (sel 0x6240) or high (0x7351).
 # The low- and the high-nibble calls share everything up to the last two permutes; ptxas merges
-# that common part, so 8 codes cost ~16 integer instructions (~20 when codes were ascending levels,
-# whose rank 7 - n of the negative half took 4 more: offline sm_90a SASS, 1005 -> 962 per 128-token
-# tile at B=16, 1893 -> 1779 per 256-token tile at B=1).
+# that common part. Sign-magnitude codes spare the rank 7 - n that ascending levels' negative half took.
 _HEAD = """{
 .reg .b32 idx, idx2, la, ha, lb, hb, sh, sa, sb, l0, l1, h0, h1, z;
 %(tables)s

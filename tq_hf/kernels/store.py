@@ -620,13 +620,10 @@ def _make_plan(pool, layout, key, value, slots, key_offset, launch: StoreLaunchC
         block_t = block_t if launch.block_t is None else launch.block_t
         num_warps = num_warps if launch.num_warps is None else launch.num_warps
     # the ring in programs of its own (StoreLaunchConfig.ring_part): its encoding then runs beside the quantization
-    # instead of before it in the key and value programs. On for a store of one tile (decode steps): B=1, 32/8/128,
-    # H200, 4bit 13.7 -> 11.8 us, B=16 10.5 -> 9.8, k8v4 10.0 -> 9.9 and 8.9 -> 8.6; longer stores are unmeasured
+    # instead of before it in the key and value programs; on for a store of one tile (decode steps), the case timed
     ring_default = triton.cdiv(n, block_t) == 1
     # under rotation="hadamard" the rotations' fp16 units read as MMA operands instead of the entries built in
-    # registers: 4,376 -> 3,120 instructions for a decode store (4bit+defaults, one token, sm_90a) for a 32 KB load
-    # per program. Faster at every length timed (H100, 32/8/128): 4bit+defaults one token 8.03 -> 7.38 us, B=16
-    # 6.13 -> 5.36, 32k tokens 620 -> 587 us; 3bit 8.42 -> 7.34, 6.26 -> 5.08, 642 -> 586
+    # registers: far fewer instructions in the store's chain for a 32 KB load per program, faster at every length timed
     hadamard = cfg.rotation == "hadamard"
     units = hadamard and (launch is None or launch.rotation_units is not False)
     if units:

@@ -51,8 +51,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # 3-bit keys stored as 8 code planes (layout.key_planes): one dot per plane, by the same byte permutes
     use_planes = key_planes(cfg, d)
     # 3-bit keys kept as a bit stream (head_dims whose planes do not fill an MMA's K), on a GPU: 4 unpacked codes per
-    # byte permute (key_lut.lut3_codes_asm) at any such head_dim, where the gather lowered to ~16 compare-and-selects
-    # per code (Triton 3.9)
+    # byte permute (key_lut.lut3_codes_asm) at any such head_dim, where the gather lowered to compare-and-select chains
     stream3 = cfg.uses_codebook and cfg.key_bits == 3 and not use_planes
     lut3 = wants_lut if use_planes else stream3 and _pick(launch.key_lut, True)
     words3 = config_lut3_words(cfg, d) if lut3 and decode and ptx else None
@@ -71,26 +70,23 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
         block_m = max(16, next_pow2(rows))
         if cfg.key_bits == 8 and d == 128 and on_gpu:
-            # FP8 keys, a verification forward (17-64 rows): 16-row tiles, each walking the history, were 2.1-2.3x
-            # faster than one 32- or 64-row tile under the 128-register cap (1.7x uncapped)
+            # FP8 keys, a verification forward (17-64 rows): 16-row tiles, each walking the history, were faster than
+            # one 32- or 64-row tile, most under the 128-register cap (docs/performance.md, launch plan)
             block_m = 16
         if cfg.key_bits == 3 and d == 128 and on_gpu and rows <= 32 and not plain_format:
-            # 3-bit keys with the levers, 8 queries x GQA 4: two 16-row tiles, each walking the history (B=1 S=32k
-            # 32/8/128, H200): 3bit 0.119 against 0.175 ms for one 32-row tile (ptxas: no spills, against 1,272 B per
-            # thread), k3v4 0.0702 against 0.0724
+            # 3-bit keys with the levers, 8 queries x GQA 4: two 16-row tiles, each walking the history; one 32-row
+            # tile was slower (3bit's spilled, the 16-row ones do not; docs/performance.md, launch plan)
             block_m = 16
         verify3 = cfg.key_bits == 3 and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
         verify4 = words is not None and d == 128 and on_gpu and 16 < rows <= 32 and not plain_format
         if verify4:
             # 4-bit codebook keys, 5-8 queries x GQA 4 with the levers: two 16-row tiles by key and value words, each
-            # walking the history, 0.0636 against 0.0658 ms for one 32-row tile by bytes (B=1 S=32k), 0.186 against
-            # 0.204 at B=4
+            # walking the history, faster than one 32-row tile by bytes (at B=1 and B=4)
             block_m = 16
         block_n = 256 if cfg.key_bits == 4 else 128
         if words3 and d == 64 and cfg.value_bits == 4 and b * hk > 8 and not batch_fills_gpu:
             # k3v4 at head_dim 64 past 8 (row, KV head) pairs until the batch fills the GPU: 256-token tiles, more
-            # loads in flight per walk (S=32k, H100: 9/3/64 B=4 0.0513 -> 0.0434 ms, B=16 0.170 -> 0.125; 32/8/64
-            # B=4 0.142 -> 0.113, B=8 0.265 -> 0.209; at B=1 9/3/64, 3 pairs, 6% slower, at B=16 32/8/64 17%)
+            # loads in flight per walk (slower with fewer pairs and once the batch fills the GPU)
             block_n = 256
         if d > 128:  # head_dim 256: 64-token tiles only for a few KV heads with the levers (128 were 5% slower there)
             block_n = 128 if d == 256 and (plain_format or b * hk >= 8) else 64
@@ -103,15 +99,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             maxnreg = 168  # 4-bit code words at head_dim 64: 256-token tiles in 168 registers, levers too
         elif verify4 and b * hk <= 8:
             # a verification forward's two 16-row tiles at B=1: 128 registers, 4 programs per SM, and splits for
-            # them (below): S=32k, 8 queries (H100) 0.0621 -> 0.0595 ms; the cap alone 0.0697, the splits alone 0.0702
+            # them (below), which pay only together: either alone was slower than the plan without both
             maxnreg = 128
         elif verify3 and b * hk <= 8:
             # 3-bit keys' two 16-row tiles at B=1: 168 registers hold 3 programs per SM, and splits fill one wave of
-            # them (below): S=32k, 8 queries (H100) 3bit 0.0788 -> 0.0749 ms, k3v4 0.0638 -> 0.0600; the cap alone
-            # 0.0826 (3bit), 24 splits alone 0.105 (1.45 waves of 2 per SM)
+            # them (below); the cap alone, or those splits uncapped (over a wave of 2 per SM), were slower
             maxnreg = 168
         elif cfg.key_bits == 8 and d == 64 and on_gpu and not batch_fills_gpu:
-            # FP8 keys at head_dim 64 with token-pair metadata: 128 registers under the levers (uncapped 1.3-1.5x)
+            # FP8 keys at head_dim 64 with token-pair metadata: 128 registers under the levers (uncapped was slower)
             maxnreg = None if plain_format else 128
         elif words and d == 128 and batch_fills_gpu:
             block_n, maxnreg = 128, 128  # the batch fills the GPU: shorter tiles, 4 programs per SM
@@ -119,15 +114,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             maxnreg = 128  # FP8 keys: 128 registers at any batch (2 programs per SM uncapped)
         elif cfg.key_bits == 8 and d == 256 and on_gpu and not plain_format and b * hk >= 16:
             # FP8 keys at head_dim 256 with the levers, from 16 (row, KV head) pairs: 8 warps in 128 registers, still 2
-            # programs per SM, each thread half the tile (S=32k, H100: 32/16/256 B=1 0.116 -> 0.112 ms, B=16 1.57 ->
-            # 1.47; 8/4/256 B=16 0.390 -> 0.371; the other presets gained <= 2% or lost, 4bit 8/4/256 B=16 8%)
+            # programs per SM, each thread half the tile (the other presets gained little or lost)
             wide, maxnreg = True, 128
         elif words3 and d == 128 and batch_fills_gpu:
             # 3-bit code planes: k3v4 in 128 registers; 3bit's plain format in 168; with the levers in 168 too (3
-            # programs per SM) where splits fill one wave of them (below), else uncapped (H100, S=32k with the
-            # levers: B=16 0.515 ms uncapped, 0.471 in 168 with 3 splits, 0.606 with 4 (1.29 waves); S=128k 1.876
-            # -> 1.763; B=32, one split a wave, 1.091 against 1.000 uncapped; the plain format lost with 3 splits,
-            # 0.501 against 0.470 with 4); one 16-row tile (a decode step), the case measured
+            # programs per SM) where splits fill one wave of them (below), else uncapped; one 16-row tile, as measured
             one_wave3 = cfg.value_bits == 3 and not plain_format and rows <= 16 and 3 * sms // (b * hk) >= 2
             if cfg.value_bits != 3:
                 maxnreg = 128
@@ -153,9 +144,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         maxnreg = None
     num_warps = _pick(launch.num_warps, 2 if narrow else 8 if wide else 4)
     # 4-bit values as 16-bit words (two tokens per MMA operand register): 16-row decode tiles (64-row wgmma tiles
-    # computed wrong results; in 32-row tiles, 5-8 queries of a GQA group of 4, the words were 1.6-23x slower than
-    # the bytes), and on a GPU only where every warp gets a column tile of its own (D/4 >= 8 x warps; at head_dim
-    # 64 the words were 2.1x slower than the bytes)
+    # computed wrong results, 32-row ones were slower), on a GPU where each warp has a column tile (D/4 >= 8 x warps)
     value_words = cfg.value_bits == 4 and decode and block_m <= 16 and d // 4 >= (8 * num_warps if on_gpu else 16)
     value_words = bool(_pick(launch.value_words, value_words))
     if value_words and cfg.value_bits != 4:
@@ -209,9 +198,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         # waves of programs per SM: FP8 keys dequantize cheaply and want more loads in flight; a power of two
         # splits the (power-of-two) tile counts evenly; also once every SM has a program (one per SM left the
         # other program slots idle)
-        # FP8 keys at head_dim 256 hold 2 programs per SM (248 registers): sized for 4, a few rows' splits took 1.95
-        # waves (S=32k k8v4+defaults, H100: B=1 8/4/256 0.0557 -> 0.0496 ms at half the splits, 32/16/256 0.120 ->
-        # 0.117; at B=16 8/4/256 half the splits were 2% slower)
+        # FP8 keys at head_dim 256 hold 2 programs per SM: sized for 4, a few rows' splits took nearly two waves, so
+        # up to 16 (row, KV head) pairs they are sized for 2 (at B=16 half the splits were slower)
         waves = (2 if d > 128 and b * hk <= 16 else 4) if cfg.key_bits == 8 else 3
         if verify4 and maxnreg == 128:
             waves = 4
@@ -227,19 +215,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     if (decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
             and b * (hk // hp) * m_tiles * num_splits > 3 * sms):
-        # 4-bit code words and 3-bit keys and values at head_dim 64 hold 3 programs per SM (168 / 156 registers): where
-        # the splits' programs overflow one wave of those, 128 registers hold 4, spilling outside the tile loops only
-        # (S=32k, H100: 32/8/64 B=16, 512 programs, 4bit+defaults 0.280 -> 0.204 ms, 3bit+defaults 0.609 -> 0.412;
-        # within one wave the cap lost: 9/3/64 B=16 and B=32, 384 programs, 4bit 0.095 -> 0.107, 0.176 -> 0.186)
+        # 4-bit code words and 3-bit keys and values at head_dim 64 hold 3 programs per SM: where the splits overflow
+        # one wave of those, 128 registers hold 4, spilling outside the tile loops only (within one wave it lost)
         maxnreg = 128
     split = num_splits > 1
     if split and m_tiles != 1 and hp != 1:
         raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
-    # split decode with exact prefix/ring buffers while the GPU has programs to spare: one extra program attends
-    # the dense tiles alongside the pool's walks (appended to the first/last split they made it the slowest); not
-    # where several 16-row tiles each walk the history (a verification forward): there each tile's exact program
-    # walked the forward's W + Lq exact tokens alone after the splits were done (S=32k, 8 queries, 3bit B=1 0.1140
-    # -> 0.1013 ms, B=4 0.352 -> 0.328; k8v4 B=4 0.147 -> 0.135; 16 queries, k8v4 B=1 0.0915 -> 0.0800)
+    # one extra program attends the exact tiles beside the pool's walks while the GPU has programs to spare (in a split
+    # they made it the slowest); not where several row tiles each walk the history: it walked alone after the splits
     fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: 0.0532 against 0.0554 ms (8 queries, B=1)
     tiles_walk_apart = decode and m_tiles > 1 and not fp8_two_tiles
     exact_default = not batch_fills_gpu and not tiles_walk_apart
@@ -257,45 +240,29 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if exact_prog and cfg.key_bits == 8 and d == 128 and b * hk <= 16:
         ring_n = 16  # FP8 keys' exact program on 16-token ring tiles up to 2 x 8 KV heads
     if ring_q8 and split and decode and m_tiles == 1 and d == 128 and b * hk <= 16:
-        # int8 records shared out over a split decode's programs in 16-token tiles up to 2 x 8 KV heads: 4bit B=1
-        # S=32k 40.3 against 41.2 us (H200), 43.3 against 44.8 (H100); k3v4 50.7 against 52.7 (H100); B=16 slower
+        # int8 records shared out over a split decode's programs in 16-token tiles up to 2 x 8 KV heads: a little
+        # faster at B=1, slower at B=16
         ring_n = 16
     # a verification forward's row tiles each walk the history; its exact window (W + Lq fp16 slots) shared out in
-    # 16-token tiles (B=1 S=32k 8 queries, H200: k3v4 0.0702 -> 0.0668 ms, 4bit 0.0634 -> 0.0622, 3bit 0.0894 ->
-    # 0.0882 spread alone)
+    # 16-token tiles over the splits (docs/performance.md, "Forwards of several tokens")
     verify_spread = tiles_walk_apart and not batch_fills_gpu and d == 128 and b * hk <= 16
     if verify_spread:
         ring_n = 16
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
-    # the ring's tiles shared out over a split decode's programs: the one program that walked them all was the
-    # slowest (int8 records' tiles, a dot per 16 coordinates; FP8 keys' exact ring at B=1, S=4k: 0.0294 -> 0.0220
-    # ms, at 32k the same; not once the batch fills the GPU: B=16 S=32k 0.248 -> 0.249-0.263; an exact ring under
-    # codebook keys measured mixed, docs/performance.md). At head_dim 256 once 16 or more (sequence, KV head) rows
-    # share the GPU (S=32k, H100, with the reduction by Rv's columns: 32/16/256 B=1 4bit+defaults 0.1266 -> 0.1065
-    # ms, k3v4 0.1168 -> 0.1043; 8/4/256 B=16 4bit 0.364 -> 0.332, k8v4 0.421 -> 0.386); not below: at 8/4/256 B=1 a
-    # 32-token record tile costs what a 64-token pool tile does (1,206 against 1,225 loop instructions, sm_90a), so
-    # the splits that took one outlasted the rest while the exact program had slack (4bit 0.0470 against 0.0522 ms)
+    # the ring's tiles shared out over a split decode's programs, where one program walking them all was the slowest:
+    # int8 records, FP8 keys' exact ring while SMs are free; head_dim 256 from 16 rows (fewer: the split given one lags)
     spread_default = ((ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread) and d <= 128
                       or d > 128 and b * hk >= 16)
     ring_spread = bool(_pick(launch.ring_spread, decode and spread_default)) and split and recent_size > 0
 
     # split partials left in the rotated value space, rotated back once per row by the reduction: at head_dim 256
-    # the epilogue's product with Rv spilled ~3 KB per thread under the levers (ptxas -v, sm_90a)
+    # the epilogue's product with Rv spilled under the levers
     rot_in_reduce = split and cfg.value_rotation and bool(_pick(launch.rotate_in_reduce, d > 128))
     # that rotation by Rv's columns, each row's partials merged first, over several programs per row (reduce.py),
-    # where one program per row stepped over the rotated coordinates loading every split's slice each step (3,984
-    # instructions with 1,025 loads against 1,256, sm_90a). S=32k (H100): 8/4/256 B=1 4bit+defaults 0.0760 -> 0.0470
-    # ms, k8v4 0.1103 -> 0.0556, k3v4 0.0707 -> 0.0462, 3bit 0.0711 -> 0.0492; 32/16/256 B=1 0.1446 -> 0.1266 (4bit);
-    # B=16 within 1-6% faster
+    # where one program per row stepped over the rotated coordinates loading every split's slice each step
     reduce_columns = rot_in_reduce and bool(_pick(launch.reduce_columns, True))
-    # 3-bit key planes' query rotated once (butterfly, then H_64 in registers) and cut into the windows: a third fewer
-    # prologue instructions. B=1 S=32k (H100, with the 16-bit epilogue): k3v4 0.0508 -> 0.0479 ms, 3bit 0.0592 ->
-    # 0.0568; once the batch fills the GPU, no faster (B=16 3bit 0.5505 -> 0.5602)
-    # At head_dim 256 two butterflies, then H_64 for each quarter (_hadamard_quarters), where each window built its
-    # 256 x 32 entries (3-bit planes) or each half H_128 (4-bit keys): B=1 prologue 5,958 -> 1,859 instructions for
-    # k3v4+defaults, 5,949 -> 1,857 3bit, 2,679 -> 2,010 4bit (8/4/256, sm_90a, Triton 3.6), the tile loops
-    # unchanged; S=32k 8/4/256 (H100) B=1 4bit+defaults 0.0763 -> 0.0728 ms, k3v4 0.0963 -> 0.0723, 3bit 0.1020 ->
-    # 0.0761; B=16 0.349 -> 0.333, 0.392 -> 0.322, 0.502 -> 0.434: at every batch there
+    # the query of 3-bit key planes (and of 4-bit keys at head_dim 256) rotated once by butterflies and H_64 built in
+    # registers, not per window: fewer prologue instructions; at head_dim 128 no faster once the batch fills the GPU
     bfly_ok = hadamard and ((use_planes and d in (128, 256)) or (cfg.key_bits == 4 and d == 256))
     query_butterfly = bool(_pick(launch.query_butterfly, on_gpu and decode and bfly_ok
                                  and (d == 256 or not batch_fills_gpu)))
@@ -303,26 +270,21 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         raise ValueError("LaunchConfig query_butterfly=True needs 3-bit key planes at head_dim 128 or 256, or 4-bit "
                          f"keys at head_dim 256, under rotation='hadamard'; got {cfg.key_bits}-bit keys, head_dim {d}, "
                          f"rotation {cfg.rotation!r}")
-    # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the epilogue's rotation back of 4-bit (or plane) values
-    # by 16-bit dots of them, each row split in two fp16 parts, instead of 3xTF32 (a third of the MMAs). S=32k (H100):
-    # B=1 4bit 0.0432 -> 0.0422 ms, k8v4 0.0462 -> 0.0443, 3bit 0.0601 -> 0.0592; B=16 3bit 0.5630 -> 0.5505, k3v4
-    # 0.3679 -> 0.3648, 4bit and k8v4 within 1%. Other head_dims and prefill tiles keep 3xTF32
+    # Rv's entries are +-1/sqrt(D) under rotation="hadamard": the decode epilogue's rotation back of 4-bit (or plane)
+    # values by 16-bit dots, each row in two fp16 parts, not 3xTF32 (a third of the MMAs); at head_dim 128 only
     rot16_default = on_gpu and decode and d == 128
     rot16 = bool(_pick(launch.rotation_16bit, rot16_default)) and cfg.value_rotation and cfg.rotation == "hadamard"
     # Rv's +-1 entries read as fp16 (value_rotation_units), where each program converted 64 KB of fp32 Rv in its
-    # epilogue: 366 of 1,015 epilogue instructions at B=1 (4bit+defaults, 32/8/128, sm_90a)
+    # epilogue
     rot16_units = (rot16 and not rot_in_reduce and (cfg.value_bits == 4 or planes_v)
                    and bool(_pick(launch.rotation_units, True)))
     if rot16_units:
         vrot = value_rotation_units(layout, str(pool.device))
     # 3-bit value planes' bytes into codes by one asm (value_nibbles.PLANE_BYTES_ASM) where Triton's 16-bit integer
-    # ops built each token's plane word: 3bit+defaults S=32k (H100) B=1 0.0567 -> 0.0554 ms, B=16 0.5495 -> 0.5279,
-    # 8 queries 0.0862 -> 0.0829 (with table_registers); the loop 1,476 -> 1,347 instructions (B=16, sm_90a)
+    # ops built each token's plane word: fewer loop instructions, faster at every batch timed
     planes_asm = bool(_pick(launch.value_planes_asm, True)) and planes_v and ptx and block_m <= 32  # (plane words)
-    # the plane codes decoded in place (value_nibbles.PLANE_SCALED_ASM): 3bit+defaults' value decode 307 -> 210
-    # instructions per tile (B=16, sm_90a); S=32k (H100) 32/8/128 3bit+defaults B=16 0.5228 -> 0.5116 ms, B=1
-    # 0.0536 -> 0.0526, plain 3bit B=16 0.482 -> 0.466; 8/4/256 B=1 0.1024 -> 0.1009, B=16 0.4946 -> 0.4956 (so not
-    # there). The interpreter decodes them in place by integer ops when asked (for the tests)
+    # the plane codes decoded in place (value_nibbles.PLANE_SCALED_ASM; by integer ops under the interpreter, for the
+    # tests): fewer value-decode instructions; at head_dim 256 no faster once the batch fills the GPU
     in_place = bool(_pick(launch.planes_in_place, planes_asm and (d == 128 or not batch_fills_gpu)))
     if in_place and not (planes_v and block_m <= 32 and (planes_asm or not ptx)):
         raise ValueError("LaunchConfig planes_in_place=True needs 3-bit value planes (head_dim 128 or 256) in decode "
@@ -330,9 +292,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                          f"{cfg.value_bits}-bit values, head_dim {d}, block_m {block_m}, value_planes_asm={planes_asm}")
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
-    # register before each byte permute. S=32k (H100): B=16 4bit+defaults 0.2298 -> 0.2271 ms, k3v4+defaults 0.3600
-    # -> 0.3538, 3bit+defaults (planes from bytes) 0.5279 -> 0.5272; B=1 k3v4 0.0475 -> 0.0472, 3bit 0.0554 -> 0.0551;
-    # 8 queries 4bit 0.0644 -> 0.0630. (3bit without the byte-plane asm: B=1 0.0567 -> 0.0571, so the two go together)
+    # register before each byte permute; 3bit gains only with the byte-plane asm above, so the two go together
     pinned = bool(_pick(launch.table_registers, True))
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
