@@ -268,6 +268,29 @@ def test_head_dim_64_caps_registers_where_the_splits_overflow_a_wave(preset, sha
     assert forced.constants.get("maxnreg") == 200
 
 
+@pytest.mark.parametrize("preset,batch,splits,maxnreg", [
+    ("k8v4", 16, 10, 128), ("4bit", 16, 10, 128), ("3bit", 16, 10, 128),  # 48 pairs: 11 x 48 = 4 x 132
+    ("k3v4", 16, 8, None),  # 3 programs per SM: the power of two
+    ("k8v4", 8, 16, 128), ("3bit", 8, 16, None),  # 24 pairs (unmeasured): the power of two
+])
+def test_head_dim_64_exact_program_splits_fill_one_wave_of_four_programs_per_sm(preset, batch, splits, maxnreg):
+    """At head_dim 64 with an exact ring, from 48 (row, KV head) pairs until the batch fills an H200, the split
+    decode of FP8 keys, 4-bit code words and 3-bit keys and values takes as many splits as, with the exact program,
+    fill one wave of 4 programs per SM (in 128 registers); k3v4 and smaller batches keep the power of two; an
+    override decides."""
+    layout = make_layout(preset, 3, 64, key_centering=True, value_rotation=True)
+    table = torch.zeros(batch, 32768 // layout.block_size, dtype=torch.int32)
+    ring_k, ring_v = recent_ring(layout, batch, 128, torch.float16, "cpu")
+    args = (torch.randn(batch, 9, 1, 64, dtype=torch.float16), layout.allocate(1, "cpu"), layout, table,
+            torch.full((batch,), 32768), 0.125)
+    kwargs = dict(max_seq_len=32768, device_traits=H200, key_offset=torch.zeros(batch, 3, 64), recent_keys=ring_k,
+                  recent_values=ring_v)
+    plan = plan_attention(*args, **kwargs)
+    assert (plan.grid, plan.constants["EXACT_PROG"], plan.constants.get("maxnreg")) == (
+        (splits + 1, 3, batch), True, maxnreg)
+    assert plan_attention(*args, **kwargs, num_splits=8).grid[0] == 9
+
+
 @pytest.mark.parametrize("shape,batch,block_n", [
     ((9, 3, 64), 1, 128), ((32, 8, 64), 1, 128), ((9, 3, 64), 4, 256), ((9, 3, 64), 16, 256), ((32, 8, 64), 8, 256),
     ((32, 8, 64), 16, 128),

@@ -193,8 +193,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                          f"value_words={value_words}, meta_pairs={meta_pairs}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     kv_tiles = max(1, triton.cdiv(kv_len, block_n))
+    programs = b * (hk // hp) * m_tiles
+    auto_splits = num_splits is None
     if num_splits is None:
-        programs = b * (hk // hp) * m_tiles
         # waves of programs per SM: FP8 keys dequantize cheaply and want more loads in flight; a power of two
         # splits the (power-of-two) tile counts evenly; also once every SM has a program (one per SM left the
         # other program slots idle)
@@ -213,8 +214,15 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             num_splits = max(1, min(3 * sms // programs, kv_tiles))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    if (decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
-            and b * (hk // hp) * m_tiles * num_splits > 3 * sms):
+    cappable64 = decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
+    # head_dim 64 with the exact program, from 48 (row, KV head) pairs until the batch fills the GPU: splits for one
+    # full wave of 4 programs per SM (FP8 keys' 128 registers, or the cap below), where the power of two with the
+    # exact program left a fifth of a wave of 4 idle or spilled past a wave of 3 (smaller batches unmeasured)
+    exact_wanted = (bool(_pick(launch.exact_program, True)) and (prefix_len > 0 or recent_size > 0)
+                    and not batch_fills_gpu and m_tiles == 1)
+    if (auto_splits and exact_wanted and 48 <= b * hk and (maxnreg == 128 and cfg.key_bits == 8 or cappable64)):
+        num_splits = max(1, min(4 * sms // programs - 1, kv_tiles))
+    if cappable64 and programs * num_splits > 3 * sms:
         # 4-bit code words and 3-bit keys and values at head_dim 64 hold 3 programs per SM: where the splits overflow
         # one wave of those, 128 registers hold 4, spilling outside the tile loops only (within one wave it lost)
         maxnreg = 128
