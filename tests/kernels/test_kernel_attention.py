@@ -1262,7 +1262,7 @@ def test_head_dim_64_decode_gpu(preset, levers, batch):
     """SmolLM2's attention shape (9 query / 3 KV heads, head_dim 64) at real size with the launcher's choices there
     (test_gpu_head_dim_64_decode_choices): the 4-bit code words on 256-token tiles, FP8 keys' token-pair metadata,
     3-bit bit-stream keys looked up 4 codes per byte permute, plain and with the presets' levers (key means, value
-    rotation, sinks, the exact prefix and ring)."""
+    rotation, sinks, the exact prefix and ring; at B=16 with them, splits that fill one wave of 4 programs per SM)."""
     layout = make_layout(preset, 3, 64, key_centering=levers, value_rotation=levers)
     lens = [8192 - 37 * i for i in range(batch)]
     kw = (_fidelity_options(layout, 3, "cuda") | dict(prefix_len=4, recent=(128, 0))) if levers else {}
