@@ -270,6 +270,31 @@ def test_exact_prefix_and_ring_split_decode(preset, exact_program, rotate_in_red
            kv_start=torch.tensor([0, 3, 0], device=DEVICE), launch=launch, **_fidelity_options(layout, 4))
 
 
+@pytest.mark.parametrize("preset,records,rotate_in_reduce", [
+    ("4bit", True, False), ("4bit", False, True), ("k8v4", False, False), ("3bit", True, True)])
+@pytest.mark.parametrize("ring_n,programs", [(16, 3), (32, 2)])
+def test_ring_tiles_in_programs_of_their_own(preset, records, rotate_in_reduce, ring_n, programs):
+    """ring_programs: each of the ring's tiles in an exact program of its own beside the pool's splits (a 48-token
+    ring in 16-token tiles: 3 programs; in 32-token tiles: 2, the second half empty), the first also the prefix's;
+    rows shorter than the ring, one starting late (kv_start); fp16 rings and int8 records, the partials rotated in
+    the split programs or in the reduction."""
+    layout = make_layout(preset, 2, 64, key_centering=True, value_rotation=True)
+    launch = LaunchConfig(exact_program=True, ring_programs=True, ring_n=ring_n, rotate_in_reduce=rotate_in_reduce)
+    kw = dict(prefix_len=4, recent=(48, 0), num_splits=3, kv_start=torch.tensor([0, 3, 40], device=DEVICE),
+              ring_records=records, launch=launch, **_fidelity_options(layout, 4))
+    _check(layout, [9, 70, 133], 1, 4, **kw)
+    table = torch.zeros(3, 16, dtype=torch.int32)
+    ring = recent_ring(layout, 3, 48, torch.float16, "cpu")
+    plan = plan_attention(torch.randn(3, 8, 1, 64), layout.allocate(1, "cpu"), layout, table, torch.full((3,), 140),
+                          0.125, num_splits=3, launch=launch, recent_keys=ring[0], recent_values=ring[1],
+                          prefix_keys=torch.randn(3, 2, 4, 64), prefix_values=torch.randn(3, 2, 4, 64))
+    assert (plan.ns_all, plan.constants["EXACT_PROG"], plan.constants["RING_PROGRAMS"]) == (3 + programs, programs, True)
+    with pytest.raises(ValueError, match="ring_programs=True needs a split decode with an exact ring"):
+        plan_attention(torch.randn(3, 8, 1, 64), layout.allocate(1, "cpu"), layout, table, torch.full((3,), 140),
+                       0.125, num_splits=3, launch=LaunchConfig(exact_program=False, ring_programs=True),
+                       recent_keys=ring[0], recent_values=ring[1])
+
+
 @pytest.mark.parametrize("rotation,head_dim,exact,sms,columns", [
     ("hadamard", 64, True, 1024, True), ("random", 48, True, 1024, True), ("random", 80, False, 1024, True),
     ("hadamard", 128, True, 4, True), ("random", 80, True, 1024, False)])
@@ -1058,6 +1083,15 @@ def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, 
     (got, want), (off, want_again) = outputs
     assert torch.equal(want, want_again)  # the same inputs
     assert (rel_error(got, off) <= tol) if tol else torch.equal(got, off), rel_error(got, off)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,head_dim,batch", [("4bit", 128, 1), ("k8v4", 128, 3), ("3bit", 128, 1),
+                                                   ("k3v4", 64, 3), ("4bit", 256, 1)])
+def test_ring_programs_gpu(preset, head_dim, batch):
+    """ring_programs on the GPU's plans (head pairs, lookups, planes): the reference's attention, and the walk's
+    output with the ring tiles in the splits to fp16 rounding (the partials merge in another order)."""
+    _check_decode_lever_gpu(preset, head_dim, batch, 1, "ring_programs", tol=2 ** -9, exact_program=True)
 
 
 @pytest.mark.gpu

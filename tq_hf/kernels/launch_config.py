@@ -21,7 +21,9 @@ class LaunchConfig:
     key_lut: codebook keys (4-bit, 3-bit planes or bit stream) decoded by byte permutes (False: centroids gathered).
     value_words: 4-bit value codes as 16-bit words into 4 accumulators (else bytes into 2).
     exact_program: split decode attends the exact prefix and ring in a program of its own; ring_spread: split
-    decode shares the ring's tiles out over all its programs (else one walks them all).
+    decode shares the ring's tiles out over all its programs (else one walks them all); ring_programs: split decode
+    gives each of the ring's tiles an exact program of its own beside the pool's splits, which then walk no ring tile
+    (the ring's latency beside the walks instead of after them; needs the exact program).
     meta_pairs: per-token metadata loaded as 32-bit words of two tokens; meta_words: else each token's fields
     from its pair's 32-bit word; vmid_chain: v_mid's load joins the value MMA operand (so it is prefetched);
     bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
@@ -63,6 +65,7 @@ class LaunchConfig:
     head_pairs: int | None = None
     ring_n: int | None = None
     ring_spread: bool | None = None
+    ring_programs: bool | None = None
     warp_split: bool | None = None
     rotate_in_reduce: bool | None = None
     rotation_16bit: bool | None = None

@@ -44,8 +44,9 @@ ends at ring_lo, the prefix tile drops positions >= ring_lo, and the exact progr
 dense tiles of RING_TILE tokens (tiles.exact_tile). Where the query and the buffers share a 16-bit dtype (EXACT_16)
 the exact scores are that dtype's MMA and the values' dots one tf32 pass; else three tf32 passes (fp32).
 The exact program: in split decode with programs to spare, one program more than the pool's splits
-(EXACT_PROG), so the dense tiles run alongside the compressed walks; otherwise split 0 (prefix) and the last
-split (ring), or without splits the row tile's only program.
+(EXACT_PROG), so the dense tiles run alongside the compressed walks (RING_PROGRAMS: one per ring tile, the first
+also the prefix's); otherwise split 0 (prefix) and the last split (ring), or without splits the row tile's only
+program.
 """
 
 from __future__ import annotations
@@ -195,8 +196,10 @@ def _attn_kernel(
     EXACT_16: tl.constexpr,  # the query and the exact buffers share a 16-bit dtype (exact_tile's dots)
     RING_Q8: tl.constexpr,  # the ring holds int8 records (layout.ring_spec)
     ROTATION_STEP: tl.constexpr,  # input coordinates per step of the prologue's 4-bit query rotation
-    EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: one more split program attends them (in parallel)
+    EXACT_PROG: tl.constexpr,  # SPLIT with exact prefix/ring: programs beyond the pool's splits attend them (1, or
+    # RING_PROGRAMS: one per ring tile), in parallel with the walks
     RING_SPREAD: tl.constexpr,  # SPLIT: ring tile t goes to split program t % ns_all (else one program walks them all)
+    RING_PROGRAMS: tl.constexpr,  # ring tile t goes to exact program t % EXACT_PROG; the pool's splits walk none
     KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr,  # codebook keys by key_lut.py's asm (else gathered)
     KEY_WORDS: tl.constexpr,  # 4-bit keys by the lookup as 16-bit code words (4 dots over coordinate sets)
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
@@ -220,7 +223,7 @@ def _attn_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    ns_all = num_splits + EXACT_PROG  # split programs per row tile: the pool's splits (+ the exact one)
+    ns_all = num_splits + EXACT_PROG  # split programs per row tile: the pool's splits (+ the exact ones)
     m_tile = pid // ns_all
     split = pid % ns_all
 
@@ -264,8 +267,8 @@ def _attn_kernel(
     per_split = tl.cdiv(n_tiles, num_splits)
     start = kv_lo + split * per_split * BLOCK_N
     end = tl.minimum(start + per_split * BLOCK_N, pool_hi)
-    if EXACT_PROG:  # the last program attends only the exact prefix and ring, alongside the pool's splits
-        end = tl.where(split == num_splits, start, end)
+    if EXACT_PROG:  # the last program(s) attend only the exact prefix and ring, alongside the pool's splits
+        end = tl.where(split >= num_splits, start, end)
     exact_split_first = num_splits if EXACT_PROG else 0  # the split that attends the exact prefix
     exact_split_last = num_splits if EXACT_PROG else num_splits - 1  # the split that walks the ring
 
@@ -460,10 +463,13 @@ def _attn_kernel(
                 dc, vcol, sub, q_row, row_ok, q_mu, HEADS_PER_PROGRAM, EXACT_16, False, False, D, VALUE_BITS, VALUE_WORDS, VALUE_PLANES, PLANE_WORDS, VALUE_ROT, HAS_WINDOW, HAS_SOFTCAP)
     # the recent window: the last split walks the ring's positions in dense tiles
     if HAS_RECENT:
-        if RING_SPREAD or split == exact_split_last:
+        if RING_SPREAD or RING_PROGRAMS or split == exact_split_last:
             ring_first = tl.maximum(tl.maximum(ring_lo, kv_first), win_lo)
             ring_step = RING_TILE
-            if RING_SPREAD:
+            if RING_PROGRAMS:  # the pool's splits start past the ring's end
+                ring_first = tl.where(split >= num_splits, ring_first + (split - num_splits) * RING_TILE, kv_hi)
+                ring_step = RING_TILE * EXACT_PROG
+            elif RING_SPREAD:
                 ring_first += split * RING_TILE
                 ring_step = RING_TILE * ns_all
             k_ring = rk_ptr + b.to(tl.int64) * s_rkb + (h * HEADS_PER_PROGRAM).to(tl.int64) * s_rkh

@@ -231,11 +231,10 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
     # one extra program attends the exact tiles beside the pool's walks while the GPU has programs to spare (in a split
     # they made it the slowest); not where several row tiles each walk the history: it walked alone after the splits
-    fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: 0.0532 against 0.0554 ms (8 queries, B=1)
+    fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: faster with it (docs/performance.md)
     tiles_walk_apart = decode and m_tiles > 1 and not fp8_two_tiles
     exact_default = not batch_fills_gpu and not tiles_walk_apart
-    exact_prog = bool(_pick(launch.exact_program, exact_default)) and split and (prefix_len > 0 or recent_size > 0)
-    ns_all = num_splits + exact_prog
+    exact_prog = int(bool(_pick(launch.exact_program, exact_default)) and split and (prefix_len > 0 or recent_size > 0))
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
     # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
@@ -257,6 +256,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if verify_spread:
         ring_n = 16
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
+    # each ring tile in an exact program of its own: its latency (a record tile's chain of loads, shared-memory
+    # layout conversions and barriers) then runs beside the pool's walks instead of after one of them
+    ring_programs = bool(_pick(launch.ring_programs, False))
+    if ring_programs and not (exact_prog and recent_size > 0):
+        raise ValueError("LaunchConfig ring_programs=True needs a split decode with an exact ring in programs of its "
+                         f"own (exact_program); got {num_splits} splits, exact_program={bool(exact_prog)}, ring of "
+                         f"{recent_size}")
+    if ring_programs:
+        exact_prog = triton.cdiv(recent_size, ring_n)
+    ns_all = num_splits + exact_prog
     # the ring's tiles shared out over a split decode's programs, where one program walking them all was the slowest:
     # int8 records, FP8 keys' exact ring while SMs are free; head_dim 256 from 16 rows (fewer: the split given one lags)
     spread_default = ((ring_q8 or (cfg.key_bits == 8 and not batch_fills_gpu) or verify_spread) and d <= 128
@@ -318,7 +327,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         HAS_SINKS=sinks is not None, HAS_SOFTCAP=softcap is not None, SPLIT=split,
         HAS_KEY_OFFSET=key_offset is not None, VALUE_ROT=cfg.value_rotation,
         HAS_PREFIX=prefix_len > 0, PREFIX_TILE=max(16, next_pow2(prefix_len)),
-        EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog, RING_SPREAD=ring_spread,
+        EXACT_ACC=exact_acc, ROT_IN_REDUCE=rot_in_reduce, PARTIAL_W=width, ROTATION_STEP=min(32, dp), EXACT_PROG=exact_prog, RING_SPREAD=ring_spread and not ring_programs,
+        RING_PROGRAMS=ring_programs,
         EXACT_16=exact16, RING_Q8=ring_q8,
         VALUE_WORDS=value_words, VALUE_PTX=value_ptx, PLANES_IN_PLACE=in_place, KEY_LUT=words is not None or words3 is not None,
         KEY_WORDS=key_words, KEY_UNIT=kbytes[1] if words and key_words else 1.0,
