@@ -214,11 +214,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             num_splits = max(1, min(3 * sms // programs, kv_tiles))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    # one extra program attends the exact tiles beside the pool's walks while the GPU has programs to spare (in a split
+    # they made it the slowest); not where several row tiles each walk the history: it walked alone after the splits
+    fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: faster with it (docs/performance.md)
+    tiles_walk_apart = decode and m_tiles > 1 and not fp8_two_tiles
+    exact_default = not batch_fills_gpu and not tiles_walk_apart
     cappable64 = decode and on_gpu and d == 64 and launch.maxnreg is None and (words or words3 and cfg.value_bits == 3)
     # head_dim 64 with the exact program, from 48 (row, KV head) pairs until the batch fills the GPU: splits for one
     # full wave of 4 programs per SM (FP8 keys' 128 registers, or the cap below), where the power of two with the
     # exact program left a fifth of a wave of 4 idle or spilled past a wave of 3 (smaller batches unmeasured)
-    exact_wanted = (bool(_pick(launch.exact_program, True)) and (prefix_len > 0 or recent_size > 0)
+    exact_wanted = (bool(_pick(launch.exact_program, exact_default)) and (prefix_len > 0 or recent_size > 0)
                     and not batch_fills_gpu and m_tiles == 1)
     if (auto_splits and exact_wanted and 48 <= b * hk and (maxnreg == 128 and cfg.key_bits == 8 or cappable64)):
         num_splits = max(1, min(4 * sms // programs - 1, kv_tiles))
@@ -229,11 +234,6 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     split = num_splits > 1
     if split and m_tiles != 1 and hp != 1:
         raise ValueError("split-KV over several row tiles needs one KV head per program (head_pairs=1)")
-    # one extra program attends the exact tiles beside the pool's walks while the GPU has programs to spare (in a split
-    # they made it the slowest); not where several row tiles each walk the history: it walked alone after the splits
-    fp8_two_tiles = cfg.key_bits == 8 and m_tiles == 2 and b * hk <= 8  # kept: faster with it (docs/performance.md)
-    tiles_walk_apart = decode and m_tiles > 1 and not fp8_two_tiles
-    exact_default = not batch_fills_gpu and not tiles_walk_apart
     exact_prog = int(bool(_pick(launch.exact_program, exact_default)) and split and (prefix_len > 0 or recent_size > 0))
 
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
