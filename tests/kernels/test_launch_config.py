@@ -111,11 +111,11 @@ def test_head_dim_256_ring_tiles_spread_from_16_rows(preset, records, batch, kv_
         assert plan.constants["RING_SPREAD"] is spread, (launch, plan.constants["RING_SPREAD"])
 
 
-@pytest.mark.parametrize("preset,records", [("k8v4", False), ("4bit", True)])
+@pytest.mark.parametrize("preset,records", [("k8v4", False), ("k3v4", True)])
 def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
     """An H200's split decode shares the ring's tiles out over its programs: int8 records at every batch (16-token
     tiles at B=1), an exact ring while the batch leaves SMs free (B=1), not once it fills them (B=16); an override
-    decides either way."""
+    decides either way. (4-bit words in head pairs at B=1 give the ring programs of their own, below.)"""
     layout = make_layout(preset, 8, 128)
     spread, tiles = {}, {}
     for batch in (1, 16):
@@ -132,6 +132,35 @@ def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
     assert spread == {1: True, 16: records}
     if records:  # 16-token record tiles while the batch leaves SMs free, 32 once it fills them
         assert tiles == {1: 16, 16: 32}
+
+
+@pytest.mark.parametrize("batch,kv_len,splits,per_sm", [
+    (1, 2048, 16, 1),  # one split per 128-token tile
+    (1, 16384, 29, 1), (1, 32768, 62, 2), (2, 2048, 12, 1), (2, 32768, 29, 2),
+    (4, 32768, None, None),  # 32 (row, KV head) pairs: the spread ring
+])
+def test_four_bit_words_give_the_ring_programs_of_their_own(batch, kv_len, splits, per_sm):
+    """An H200's split decode of 4-bit words in head pairs with int8 ring records, up to 2 x 8 KV heads, gives each
+    32-token ring tile an exact program of its own beside splits for one wave of 1 program per SM while they walk
+    <= 1,024 tokens each, of 2 past that; larger batches and explicit splits, ring tiles or ring_programs=False keep
+    the spread ring."""
+    layout = make_layout("4bit", 8, 128)
+    ring = torch.zeros(batch, 8, 128, 144, dtype=torch.int8)
+    args = _decode_args(layout, batch)
+    kwargs = dict(max_seq_len=kv_len, device_traits=H200, recent_keys=ring, recent_values=ring)
+    plan = plan_attention(*args, **kwargs)
+    apart = (plan.constants["RING_PROGRAMS"], plan.constants["EXACT_PROG"], plan.constants["RING_TILE"],
+             plan.constants["RING_SPREAD"])
+    if splits is None:
+        assert apart[0] is False and apart[3] is True, apart
+        return
+    assert apart == (True, 4, 32, False) and plan.grid[0] == splits + 4, (apart, plan.grid)
+    programs = plan.grid[0] * plan.grid[1] * plan.grid[2]
+    assert per_sm * 132 - 2 * batch * 4 < programs <= per_sm * 132 or splits == kv_len // 128, programs
+    for launch in (LaunchConfig(ring_programs=False), LaunchConfig(ring_n=16)):
+        spread = plan_attention(*args, **kwargs, launch=launch)
+        assert spread.constants["RING_PROGRAMS"] is False and spread.constants["RING_SPREAD"] is True
+    assert plan_attention(*args, **kwargs, num_splits=8).constants["RING_PROGRAMS"] is False
 
 
 def test_value_rotation_by_16_bit_dots_where_measured_faster():

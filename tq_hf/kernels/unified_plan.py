@@ -227,6 +227,20 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                     and not batch_fills_gpu and m_tiles == 1)
     if (auto_splits and exact_wanted and 48 <= b * hk and (maxnreg == 128 and cfg.key_bits == 8 or cappable64)):
         num_splits = max(1, min(4 * sms // programs - 1, kv_tiles))
+    # 4-bit words in head pairs at head_dim 128 with an int8 ring, up to 2 x 8 KV heads: the ring's 32-token tiles in
+    # exact programs of their own beside splits sized for one wave of 1 program per SM while those walk <= 1,024
+    # tokens each, of 2 past that (the ring walked after a split's walk was the levers' fixed cost)
+    ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
+    rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and ring_q8
+                   and recent_size > 0 and b * hk <= 16 and launch.ring_n is None
+                   and bool(_pick(launch.ring_programs, True)))
+    if rings_apart:
+        ring_tiles = triton.cdiv(recent_size, 32)
+        apart_splits = min(sms // programs - ring_tiles, kv_tiles)
+        if kv_len > 1024 * apart_splits:
+            apart_splits = min(2 * sms // programs - ring_tiles, kv_tiles)
+        rings_apart = apart_splits > 1
+        num_splits = apart_splits if rings_apart else num_splits
     if cappable64 and programs * num_splits > 3 * sms:
         # 4-bit code words and 3-bit keys and values at head_dim 64 hold 3 programs per SM: where the splits overflow
         # one wave of those, 128 registers hold 4, spilling outside the tile loops only (within one wave it lost)
@@ -239,7 +253,6 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the exact tiles' dots in the query's 16-bit dtype where the buffers share it (tiles.exact_tile); not bf16
     # under the interpreter, whose bf16 dots return garbage (the GPU tests check those)
     # (int8 ring records: key codes enter per-group dots exactly in either 16-bit dtype; tiles._record_scores)
-    ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
     exact16 = (query.dtype == torch.float16 or (query.dtype == torch.bfloat16 and ptx)) and all(
         x.dtype in (query.dtype, torch.int8) for x in exact_buffers if x is not None)
 
@@ -255,10 +268,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     verify_spread = tiles_walk_apart and not batch_fills_gpu and d == 128 and b * hk <= 16
     if verify_spread:
         ring_n = 16
+    if rings_apart:
+        ring_n = 32
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
     # each ring tile in an exact program of its own: its latency (a record tile's chain of loads, shared-memory
     # layout conversions and barriers) then runs beside the pool's walks instead of after one of them
-    ring_programs = bool(_pick(launch.ring_programs, False))
+    ring_programs = bool(_pick(launch.ring_programs, rings_apart))
     if ring_programs and not (exact_prog and recent_size > 0):
         raise ValueError("LaunchConfig ring_programs=True needs a split decode with an exact ring in programs of its "
                          f"own (exact_program); got {num_splits} splits, exact_program={bool(exact_prog)}, ring of "
