@@ -1095,6 +1095,14 @@ def test_ring_programs_gpu(preset, head_dim, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,batch,q_len", [(128, 1, 1), (128, 3, 1), (128, 2, 4), (256, 1, 1)])
+def test_value_boundary_gpu(head_dim, batch, q_len):
+    """value_boundary on the GPU's 3-bit value plane words: the reference's attention, and the default plan's output
+    to fp32 rounding (the MMAs sum a tile's products in another order)."""
+    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_boundary", tol=2 ** -10)
+
+
+@pytest.mark.gpu
 def test_fp8_keys_at_head_dim_256_in_8_warps_gpu():
     """FP8 keys at head_dim 256 with every lever from 16 (row, KV head) pairs take 8 warps in 128 registers (each
     thread half a tile): the reference's attention at odd lengths, split, with the prefix and the ring, and the

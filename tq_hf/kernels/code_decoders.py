@@ -190,3 +190,12 @@ def gather_cols(table, codes):
     return tl.trans(tl.gather(table, tl.trans(codes.to(tl.int32)), 1))
 
 
+
+
+@triton.jit
+def operand_boundary(x):
+    """fp16 x unchanged, behind an asm with side effects (a plain move, which ptxas drops). Triton sizes a dot's
+    operand layout by the narrowest load its pure elementwise chain reaches (AccelerateMatmul's origBitWidth): codes
+    decoded from bytes give fp16 operands 8-bit layouts (kWidth 4), whose registers ptxas regroups by 4 moves before
+    each MMA; past this boundary the dot takes 16-bit layouts, read by ldmatrix."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)

@@ -17,6 +17,7 @@ from .code_decoders import (
     gather_dots,
     lookup_dots,
     nibbles_to_f16,
+    operand_boundary,
     spare_codes,
     unpack3,
     value_col,
@@ -179,7 +180,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
                KEY_LUT: tl.constexpr, LUT_LO: tl.constexpr, LUT_HI: tl.constexpr, KEY_PLANES: tl.constexpr,
                KEY_WORDS: tl.constexpr, VALUE_WORDS: tl.constexpr, VALUE_PLANES: tl.constexpr, PLANE_WORDS: tl.constexpr,
                VALUE_PTX: tl.constexpr, META_PAIRS: tl.constexpr, META_WORDS: tl.constexpr, VMID_CHAIN: tl.constexpr,
-               MASKED: tl.constexpr):
+               MASKED: tl.constexpr, VALUE_BOUNDARY: tl.constexpr = False):
     """One BLOCK_N tile [t0, t0 + BLOCK_N) of the compressed walk: unpack, score, online softmax,
     accumulate. MASKED=False: every position of the tile is in the walk's range, past the pool's
     first position and visible to every row (no tests, no load masks: 11% fewer instructions per
@@ -374,6 +375,11 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
         v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
+        if VALUE_BOUNDARY:  # (a GPU's) 16-bit operand layouts for the value dots (operand_boundary)
+            v0 = operand_boundary(v0)
+            v1 = operand_boundary(v1)
+            v2 = operand_boundary(v2)
+            v3 = operand_boundary(v3)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])

@@ -323,6 +323,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                          "tiles of <= 32 rows, decoded from their bytes (value_planes_asm) on a GPU; got "
                          f"{cfg.value_bits}-bit values, head_dim {d}, block_m {block_m}, value_planes_asm={planes_asm}")
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
+    # the plane words' decoded codes behind an asm boundary (code_decoders.operand_boundary): their dots in 16-bit
+    # operand layouts, without the 4 register moves per MMA of the 8-bit ones (sm_90a loop instructions:
+    # docs/performance.md); untimed, so off by default
+    value_boundary = bool(_pick(launch.value_boundary, False))
+    if value_boundary and not (planes_v and ptx and block_m <= 32):
+        raise ValueError("LaunchConfig value_boundary=True needs 3-bit value planes (head_dim 128 or 256) in decode "
+                         f"tiles of <= 32 rows on a GPU; got {cfg.value_bits}-bit values, head_dim {d}, block_m "
+                         f"{block_m}, {'PTX' if ptx else 'the interpreter'}")
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
     # register before each byte permute; 3bit gains only with the byte-plane asm above, so the two go together
     pinned = bool(_pick(launch.table_registers, True))
@@ -352,7 +360,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         LUT_HI=("" if key_words else lut_asm(words, True, pinned)) if words else (
             lut3_asm(words3, True, pinned) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
-        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, ROT16=rot16, ROT16_UNITS=rot16_units, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
+        META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, VALUE_BOUNDARY=value_boundary, ROT16=rot16, ROT16_UNITS=rot16_units, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
         HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )
     return AttentionPlan(
