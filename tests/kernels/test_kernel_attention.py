@@ -1095,11 +1095,13 @@ def test_ring_programs_gpu(preset, head_dim, batch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,batch,q_len", [(128, 1, 1), (128, 3, 1), (128, 2, 4), (256, 1, 1)])
-def test_value_boundary_gpu(head_dim, batch, q_len):
-    """value_boundary on the GPU's 3-bit value plane words: the reference's attention, and the default plan's output
-    to fp32 rounding (the MMAs sum a tile's products in another order)."""
-    _check_decode_lever_gpu("3bit", head_dim, batch, q_len, "value_boundary", tol=2 ** -10)
+@pytest.mark.parametrize("preset,head_dim,batch,q_len", [("3bit", 128, 1, 1), ("3bit", 128, 3, 1), ("3bit", 128, 2, 4),
+                                                       ("3bit", 256, 1, 1), ("3bit", 64, 3, 1), ("k3v4", 64, 3, 1),
+                                                       ("4bit", 128, 2, 1)])
+def test_value_boundary_gpu(preset, head_dim, batch, q_len):
+    """value_boundary on the GPU's value decoders (3-bit plane words and bit stream, 4-bit words): the reference's
+    attention, and the default plan's output to fp32 rounding (the MMAs sum a tile's products in another order)."""
+    _check_decode_lever_gpu(preset, head_dim, batch, q_len, "value_boundary", tol=2 ** -10)
 
 
 @pytest.mark.gpu

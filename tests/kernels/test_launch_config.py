@@ -163,17 +163,21 @@ def test_four_bit_words_give_the_ring_programs_of_their_own(batch, kv_len, split
     assert plan_attention(*args, **kwargs, num_splits=8).constants["RING_PROGRAMS"] is False
 
 
-def test_value_boundary_is_asked_for_3_bit_value_plane_words_on_a_gpu():
-    """value_boundary (off by default: untimed) gives 3-bit value plane words in decode tiles on a GPU their 16-bit
-    operand layouts; other value formats and the interpreter refuse it with the reason."""
+def test_value_boundary_is_asked_for_decode_tiles_on_a_gpu():
+    """value_boundary (off by default: untimed) gives the decoded value codes of decode tiles on a GPU 16-bit operand
+    layouts; the interpreter and 3-bit value planes in 64-row tiles (the bytes path) refuse it with the reason."""
     layout = make_layout("3bit", 8, 128)
     args = _decode_args(layout, 1)
     assert plan_attention(*args, max_seq_len=32768, device_traits=H200).constants["VALUE_BOUNDARY"] is False
     asked = LaunchConfig(value_boundary=True)
-    assert plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=asked).constants["VALUE_BOUNDARY"]
-    for other, traits in ((make_layout("k3v4", 8, 128), H200), (layout, INTERPRETER)):
-        with pytest.raises(ValueError, match="value_boundary=True needs 3-bit value planes"):
-            plan_attention(*_decode_args(other, 1), max_seq_len=32768, device_traits=traits, launch=asked)
+    for preset, head_dim in (("3bit", 128), ("3bit", 64), ("k3v4", 64)):
+        on = plan_attention(*_decode_args(make_layout(preset, 8, head_dim), 1), max_seq_len=32768,
+                            device_traits=H200, launch=asked)
+        assert on.constants["VALUE_BOUNDARY"] is True
+    q64 = torch.randn(1, 32, 16, 128, dtype=torch.float16)  # 16 queries x GQA 4: one 64-row tile
+    for call_args, traits in ((args, INTERPRETER), ((q64, *args[1:]), H200)):
+        with pytest.raises(ValueError, match="value_boundary=True needs decode tiles on a GPU"):
+            plan_attention(*call_args, max_seq_len=32768, device_traits=traits, launch=asked)
 
 
 def test_value_rotation_by_16_bit_dots_where_measured_faster():

@@ -46,7 +46,7 @@ class LaunchConfig:
     sqrt(D); else each program scales and converts fp32 Rv). reduce_columns: under rotate_in_reduce the reduction merges
     each row's partials first and then multiplies by Rv's columns, shared out over several programs per row where
     the device has SMs to spare (else one program per row steps over the rotated coordinates, every split's slice
-    each step). value_boundary: 3-bit value plane words' decoded codes enter their dots behind an asm boundary
+    each step). value_boundary: the decoded value codes enter their dots behind an asm boundary
     (code_decoders.operand_boundary), in 16-bit operand layouts (else the 8-bit layouts Triton infers from the
     bytes, whose registers are regrouped by moves before each MMA). A field left None takes the plan's default for
     the shape and device."""

@@ -343,6 +343,11 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
         v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
+        if VALUE_BOUNDARY:
+            v0 = operand_boundary(v0)
+            v1 = operand_boundary(v1)
+            v2 = operand_boundary(v2)
+            v3 = operand_boundary(v3)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])
@@ -356,6 +361,11 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
             vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
             v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
+            if VALUE_BOUNDARY:
+                v0 = operand_boundary(v0)
+                v1 = operand_boundary(v1)
+                v2 = operand_boundary(v2)
+                v3 = operand_boundary(v3)
             ps_j = tl.where(sub[:, None] == j, ps, 0.0)
             t0 = tl.dot(ps_j, v0, t0)
             t1 = tl.dot(ps_j, v1, t1)
@@ -367,8 +377,13 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         acc3 = tl.fma(acc3, alpha[:, None], t3)
     elif VALUE_BITS == 4:
         vb = tl.load(pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB + vcol[None, :]), mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
-        acc0 = rescaled_dot(ps, nibbles_to_f16(vb, False), acc0, alpha[:, None])
-        acc1 = rescaled_dot(ps, nibbles_to_f16(vb, True), acc1, alpha[:, None])
+        n0 = nibbles_to_f16(vb, False)
+        n1 = nibbles_to_f16(vb, True)
+        if VALUE_BOUNDARY:
+            n0 = operand_boundary(n0)
+            n1 = operand_boundary(n1)
+        acc0 = rescaled_dot(ps, n0, acc0, alpha[:, None])
+        acc1 = rescaled_dot(ps, n1, acc1, alpha[:, None])
     elif PLANE_WORDS:  # acc_a: coordinates a * D/4 + vcol; one VALUE_COLS-byte row and the bit plane read twice
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
@@ -394,7 +409,10 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         acc1 = rescaled_dot(ps, value_plane_bytes(low, high, vcol, 1, D), acc1, alpha[:, None])
     else:
         vc = unpack3(pool_ptr, plane, T * KB + off * VB, tok_ok, BLOCK_N, CODE_GROUPS, D // 8)
-        acc0 = rescaled_dot(ps, codes_to_f16(vc), acc0, alpha[:, None])
+        vf = codes_to_f16(vc)
+        if VALUE_BOUNDARY:
+            vf = operand_boundary(vf)
+        acc0 = rescaled_dot(ps, vf, acc0, alpha[:, None])
     return m_i, l_i, acc0, acc1, acc2, acc3, bias_acc
 
 

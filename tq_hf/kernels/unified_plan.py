@@ -323,14 +323,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                          "tiles of <= 32 rows, decoded from their bytes (value_planes_asm) on a GPU; got "
                          f"{cfg.value_bits}-bit values, head_dim {d}, block_m {block_m}, value_planes_asm={planes_asm}")
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
-    # the plane words' decoded codes behind an asm boundary (code_decoders.operand_boundary): their dots in 16-bit
-    # operand layouts, without the 4 register moves per MMA of the 8-bit ones (sm_90a loop instructions:
-    # docs/performance.md); untimed, so off by default
+    # the decoded value codes behind an asm boundary (code_decoders.operand_boundary): their dots in 16-bit operand
+    # layouts, without the 4 register moves per MMA of the 8-bit ones (sm_90a loop instructions: docs/performance.md);
+    # untimed, so off by default
     value_boundary = bool(_pick(launch.value_boundary, False))
-    if value_boundary and not (planes_v and ptx and block_m <= 32):
-        raise ValueError("LaunchConfig value_boundary=True needs 3-bit value planes (head_dim 128 or 256) in decode "
-                         f"tiles of <= 32 rows on a GPU; got {cfg.value_bits}-bit values, head_dim {d}, block_m "
-                         f"{block_m}, {'PTX' if ptx else 'the interpreter'}")
+    if value_boundary and not (decode and ptx and not (planes_v and block_m > 32)):
+        raise ValueError("LaunchConfig value_boundary=True needs decode tiles on a GPU, of <= 32 rows for 3-bit value "
+                         f"planes; got {rows} rows (block_m {block_m}), {cfg.value_bits}-bit values at head_dim {d}, "
+                         f"{'PTX' if ptx else 'the interpreter'}")
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
     # register before each byte permute; 3bit gains only with the byte-plane asm above, so the two go together
     pinned = bool(_pick(launch.table_registers, True))
