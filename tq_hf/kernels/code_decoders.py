@@ -190,8 +190,6 @@ def gather_cols(table, codes):
     return tl.trans(tl.gather(table, tl.trans(codes.to(tl.int32)), 1))
 
 
-
-
 @triton.jit
 def operand_boundary(x):
     """fp16 x unchanged, behind an asm with side effects (a plain move, which ptxas drops). Triton sizes a dot's

@@ -343,7 +343,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
         v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
-        if VALUE_BOUNDARY:
+        if VALUE_BOUNDARY:  # the value dots in 16-bit operand layouts (operand_boundary; here and below)
             v0 = operand_boundary(v0)
             v1 = operand_boundary(v1)
             v2 = operand_boundary(v2)
@@ -390,7 +390,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
         high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
         v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
-        if VALUE_BOUNDARY:  # (a GPU's) 16-bit operand layouts for the value dots (operand_boundary)
+        if VALUE_BOUNDARY:
             v0 = operand_boundary(v0)
             v1 = operand_boundary(v1)
             v2 = operand_boundary(v2)

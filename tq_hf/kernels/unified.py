@@ -205,7 +205,7 @@ def _attn_kernel(
     KEY_UNIT: tl.constexpr,  # the scores' factor: the word asm's subnormal byte magnitudes -> centroids (else 1)
     KEY_PLANES: tl.constexpr,  # 3-bit keys as 8 code planes of D/8 coordinates (D/8 a power of two >= 16)
     VALUE_PTX: tl.constexpr,  # VALUE_WORDS / VALUE_PLANES by value_nibbles.py's asm (0: integer ops; 2: planes from bytes)
-    VALUE_BOUNDARY: tl.constexpr,  # (VALUE_PTX, plane words) the decoded value codes enter their dots in 16-bit operand layouts
+    VALUE_BOUNDARY: tl.constexpr,  # (a GPU's decode tiles) the value codes enter their dots in 16-bit operand layouts (operand_boundary)
     PLANES_IN_PLACE: tl.constexpr,  # 3-bit value plane codes decoded where they sit, each accumulator in its code_unit
     VALUE_PLANES: tl.constexpr,  # 3-bit values as a 2-bit plane and a bit plane (layout.value_planes): 4 accumulators
     META_PAIRS: tl.constexpr,  # per-token metadata loaded as 32-bit token pairs (load_meta_pairs), prefetched a tile ahead
