@@ -197,3 +197,9 @@ def operand_boundary(x):
     decoded from bytes give fp16 operands 8-bit layouts (kWidth 4), whose registers ptxas regroups by 4 moves before
     each MMA; past this boundary the dot takes 16-bit layouts, read by ldmatrix."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float16, is_pure=False, pack=2)
+
+
+@triton.jit
+def operand_boundaries(a, b, c, d):
+    """operand_boundary of each of four code tiles (the value words' accumulators)."""
+    return operand_boundary(a), operand_boundary(b), operand_boundary(c), operand_boundary(d)

@@ -17,6 +17,7 @@ from .code_decoders import (
     gather_dots,
     lookup_dots,
     nibbles_to_f16,
+    operand_boundaries,
     operand_boundary,
     spare_codes,
     unpack3,
@@ -344,10 +345,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
         v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
         if VALUE_BOUNDARY:  # the value dots in 16-bit operand layouts (operand_boundary; here and below)
-            v0 = operand_boundary(v0)
-            v1 = operand_boundary(v1)
-            v2 = operand_boundary(v2)
-            v3 = operand_boundary(v3)
+            v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])
@@ -362,10 +360,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
             v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
             if VALUE_BOUNDARY:
-                v0 = operand_boundary(v0)
-                v1 = operand_boundary(v1)
-                v2 = operand_boundary(v2)
-                v3 = operand_boundary(v3)
+                v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
             ps_j = tl.where(sub[:, None] == j, ps, 0.0)
             t0 = tl.dot(ps_j, v0, t0)
             t1 = tl.dot(ps_j, v1, t1)
@@ -391,10 +386,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
         v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
         if VALUE_BOUNDARY:
-            v0 = operand_boundary(v0)
-            v1 = operand_boundary(v1)
-            v2 = operand_boundary(v2)
-            v3 = operand_boundary(v3)
+            v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])
