@@ -234,8 +234,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and ring_q8
                    and recent_size > 0 and b * hk <= 16 and launch.ring_n is None
                    and bool(_pick(launch.ring_programs, True)))
+    apart_ring_n = 32  # the ring's tile in programs of its own
     if rings_apart:
-        ring_tiles = triton.cdiv(recent_size, 32)
+        ring_tiles = triton.cdiv(recent_size, apart_ring_n)
         apart_splits = min(sms // programs - ring_tiles, kv_tiles)
         if kv_len > 1024 * apart_splits:
             apart_splits = min(2 * sms // programs - ring_tiles, kv_tiles)
@@ -269,7 +270,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     if verify_spread:
         ring_n = 16
     if rings_apart:
-        ring_n = 32
+        ring_n = apart_ring_n
     ring_n = _pick(launch.ring_n, ring_n if on_gpu else 16)
     # each ring tile in an exact program of its own: its latency (a record tile's chain of loads, shared-memory
     # layout conversions and barriers) then runs beside the pool's walks instead of after one of them
