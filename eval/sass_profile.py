@@ -11,6 +11,7 @@ an exact program per KV head, those are short and the figure overstates). The H2
 about 8 per byte: a decoder above that is bound by issuing instructions, not by memory.
 
     python -m eval.sass_profile [--presets 4bit k8v4 k3v4 3bit] [--batch 16] [--length 32768] [--shapes 32/8/128]
+    python -m eval.sass_profile --presets 3bit+defaults --batch 1 --launch "{'vb': {'value_boundary': True}}"
 
 The installed Triton compiles (the H200 image runs Triton 3.6; another version's code may differ). Writes
 OUT/sass_profile.json and .md.
@@ -19,6 +20,7 @@ OUT/sass_profile.json and .md.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import os
 import re
@@ -143,9 +145,9 @@ VARIANTS = {"default": {}, "key_lut": {"key_lut": True}, "plane_words": {"value_
             "table_constants": {"table_registers": False}}
 
 
-def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str = "default"):
+def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, int], variant: str | dict = "default"):
     """(kernel, args, kwargs, layout, plan) of one decode step's attention launch, planned as on an H200 with the
-    launch overrides VARIANTS[variant]."""
+    launch overrides VARIANTS[variant], or a dict of them (LaunchConfig fields, and num_splits)."""
     from tq_hf.kernels import LaunchConfig, attention, plan_attention
     from tq_hf.kernels.device import H200
     from tq_hf.layout import BlockLayout
@@ -161,21 +163,24 @@ def decode_launch(preset: str, batch: int, length: int, shape: tuple[int, int, i
     extra = exact_buffers(layout, batch, cfg.exact_prefix_tokens, cfg.recent_window, device="cpu")
     if cfg.key_centering:
         extra["key_offset"] = torch.randn(hk, d)
-    overrides = VARIANTS[variant]
+    overrides = dict(VARIANTS[variant] if isinstance(variant, str) else variant)
+    num_splits = overrides.pop("num_splits", None)
     planned = {k: v for k, v in extra.items() if k != "recent_from"}  # (a launch argument, not a plan's)
     plan = plan_attention(query, pool, layout, table, seq, d ** -0.5, max_seq_len=length, device_traits=H200,
-                          launch=LaunchConfig(**overrides) if overrides else None, **planned)
+                          launch=LaunchConfig(**overrides) if overrides else None, num_splits=num_splits, **planned)
     args, _, _ = attention.kernel_arguments(plan, query, pool, table, seq, torch.empty_like(query), **extra)
     return plan.kernel, args, {**plan.constants, "BLOCK_N": plan.block_n, "num_stages": plan.num_stages}, layout, plan
 
 
 def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], arch: int = 90,
-            variant: str = "default") -> dict:
-    """The tile loop of `preset`'s decode launch: instruction classes, per compressed byte, registers, shared memory."""
+            variant: str = "default", overrides: dict | None = None) -> dict:
+    """The tile loop of `preset`'s decode launch: instruction classes and opcodes, per compressed byte, registers,
+    shared memory. overrides: the launch's (named `variant`) instead of VARIANTS[variant]."""
     from .compile_check import compile_only, compile_variant
 
     with compile_only(arch):
-        fn, args, kwargs, layout, plan = decode_launch(preset, batch, length, shape, variant)
+        fn, args, kwargs, layout, plan = decode_launch(preset, batch, length, shape,
+                                                       variant if overrides is None else overrides)
         kernel = compile_variant(fn, args, kwargs, arch)
     text, regs = disassemble(kernel.asm["cubin"])
     instructions, labels = parse_sass(text)
@@ -192,7 +197,8 @@ def profile(preset: str, batch: int, length: int, shape: tuple[int, int, int], a
             "loop_instructions": len(body), "before_loops": before, "after_loops": after, "tile_bytes": tile_bytes,
             "thread_instructions_per_byte": len(body) * threads / tile_bytes if tile_bytes else None,
             "programs": programs, "programs_per_sm": resident, "waves": programs / (resident * SM90["sms"]),
-            "classes": dict(classify(body).most_common())}
+            "classes": dict(classify(body).most_common()),
+            "opcodes": dict(collections.Counter(i.opcode for i in body).most_common())}
 
 
 def store_launch(preset: str, batch: int, shape: tuple[int, int, int], launch=None):
@@ -288,6 +294,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "byte permutes at every head_dim; plane_words: 3-bit value planes through 16-bit plane words "
                          "instead of from their loaded bytes; table_constants: the key lookups' table words as "
                          "constants instead of pinned in registers)")
+    ap.add_argument("--launch", type=ast.literal_eval, default={},
+                    help="more variants, named: a Python dict literal {name: {LaunchConfig field: value, ...}} (and "
+                         "num_splits), e.g. \"{'vb': {'value_boundary': True}, 'n48': {'maxnreg': 168, 'num_splits': "
+                         "48}}\"")
     ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape, "
                     "as planned (the rotations read as fp16 units) and with the rotations built in registers "
                     "(StoreLaunchConfig(rotation_units=False))")
@@ -295,10 +305,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="eval/results/sass_profile")
     args = ap.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not (isinstance(args.launch, dict) and all(isinstance(v, dict) for v in args.launch.values())):
+        ap.error(f"--launch takes a dict literal {{name: {{field: value}}}}, got {args.launch!r}")
+    variants = {**{v: None for v in args.variants}, **args.launch}
     report = {"command": "python -m eval.sass_profile " + " ".join(argv), "triton": triton.__version__,
               "arch": args.arch, "batch": args.batch, "length": args.length,
-              "rows": [profile(p, args.batch, args.length, shape, args.arch, v) for shape in args.shapes
-                       for p in args.presets for v in args.variants]}
+              "rows": [profile(p, args.batch, args.length, shape, args.arch, v, overrides)
+                       for shape in args.shapes for p in args.presets for v, overrides in variants.items()]}
     if args.store:
         report["store"] = [store_profile(p, args.batch, shape, args.arch, v) for shape in args.shapes
                            for p in args.presets for v in STORE_VARIANTS]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.sass_profile import _tool, classify, markdown, outside_loops, parse_sass, programs_per_sm, tile_loop
+from eval.sass_profile import _tool, classify, decode_launch, main, markdown, outside_loops, parse_sass, programs_per_sm, tile_loop
 
 ROOT = Path(__file__).resolve().parents[2]
 LISTING = """
@@ -70,6 +70,18 @@ def test_table_has_a_row_per_shape_and_preset():
     assert "| 128 | 224 |" in md.replace(" 0 |", "")
 
 
+def test_named_launch_overrides_plan_the_profiled_launch():
+    """A --launch variant's LaunchConfig fields and split count reach the plan (planned on CPU tensors as on an
+    H200: 8 KV heads x (48 splits + the exact program)); a malformed one is refused by name."""
+    _, _, kwargs, _, plan = decode_launch("3bit+defaults", 1, 32768, (32, 8, 128),
+                                          {"maxnreg": 168, "num_splits": 48, "value_boundary": True})
+    assert plan.grid == (49, 8, 1) and kwargs["maxnreg"] == 168 and kwargs["VALUE_BOUNDARY"]
+    _, _, kwargs, _, default = decode_launch("3bit+defaults", 1, 32768, (32, 8, 128))
+    assert default.grid != plan.grid and not kwargs["VALUE_BOUNDARY"]
+    with pytest.raises(SystemExit):
+        main(["--launch", "{'vb': True}"])
+
+
 @pytest.mark.slow
 def test_a_real_decode_launch_profiles(tmp_path):
     """The command on one launch, outside the interpreter (a subprocess, as tests/test_compile_check.py runs)."""
@@ -77,7 +89,8 @@ def test_a_real_decode_launch_profiles(tmp_path):
         pytest.skip("no nvdisasm in this Triton wheel")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-m", "eval.sass_profile", "--presets", "k8v4", "4bit+defaults", "--shapes",
-                          "32/8/128", "--store", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+                          "32/8/128", "--store", "--launch", "{'two splits': {'num_splits': 2}}",
+                          "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "results.json").read_text())
@@ -89,8 +102,13 @@ def test_a_real_decode_launch_profiles(tmp_path):
     assert store["4bit+defaults", "default"]["instructions"] < store["4bit+defaults", "built_rotations"]["instructions"]
     assert ("| 32/8/128 | 4bit+defaults | default | " + str(store["4bit+defaults", "default"]["instructions"])
             in (tmp_path / "table.md").read_text())
-    rows = report["rows"]
+    rows = [r for r in report["rows"] if r["variant"] == "default"]
     assert [(r["preset"], r["ring"]) for r in rows] == [("k8v4", None), ("4bit+defaults", "int8 records")]
+    # the named variant: 16 rows x 8 KV heads x 2 splits (FP8 keys, one head per program), the same loop
+    two = next(r for r in report["rows"] if r["variant"] == "two splits" and r["preset"] == "k8v4")
+    assert two["programs"] == 16 * 8 * 2 and two["loop_instructions"] == rows[0]["loop_instructions"]
+    for row in report["rows"]:
+        assert sum(row["opcodes"].values()) == row["loop_instructions"] == sum(row["classes"].values())
     for row in rows:
         assert row["classes"]["HMMA"] > 0 and row["tile_bytes"] > 0
         assert 0 < row["thread_instructions_per_byte"] < 100
