@@ -1,10 +1,11 @@
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from eval.bench_decode_variants import causal_mask
+from eval.bench_decode_variants import causal_mask, parser
 
 
 def test_causal_mask_is_sdpa_lower_right():
@@ -20,3 +21,12 @@ def test_causal_mask_is_sdpa_lower_right():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     lower_right = causal_lower_right(5, 37)
     torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, attn_mask=lower_right), want, rtol=1e-5, atol=1e-5)
+
+
+def test_several_shapes_in_one_run():
+    """--shape takes one head shape or several (timed in turn in one process), each checked as the benchmark
+    parses it; a malformed one is refused by name before any GPU work."""
+    assert parser().parse_args([]).shape == [(32, 8, 128)]
+    assert parser().parse_args(["--shape", "9/3/64", "8/4/256"]).shape == [(9, 3, 64), (8, 4, 256)]
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--shape", "9/4/64"])
