@@ -70,8 +70,12 @@ def compile_variant(fn, args: tuple, kwargs: dict, arch: int):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from tq_hf.kernels.fast_launch import LAUNCH_OPTIONS
+
     kwargs = dict(kwargs)
-    options = {"num_warps": kwargs.pop("num_warps", 4)}
+    # the options every launch passes (fast_launch.LAUNCH_OPTIONS), as given where a plan's constants carry them
+    options = {**LAUNCH_OPTIONS, "num_warps": kwargs.pop("num_warps", 4)}
+    options.update({k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs})
     if kwargs.get("maxnreg"):
         options["maxnreg"] = kwargs.pop("maxnreg")
     if "num_stages" in kwargs:

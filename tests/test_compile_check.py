@@ -106,3 +106,33 @@ def test_compile_only_pass_over_tests(tmp_path):
     assert "FAILED TO COMPILE" in run.stdout and "test_launches_a_kernel_that_does_not_compile" in run.stdout
     assert not [line for line in run.stdout.splitlines() if "FAILED TO COMPILE" in line and "test_numbers_only" in line]
     assert "2 tests run compile-only for sm_90: 1 with launches that do not compile" in run.stdout
+
+
+FUSION_PROBE = '''
+import sys, warnings
+import torch
+sys.path[:0] = ["tests", "tests/kernels"]
+from eval.compile_check import compile_only
+from kernel_helpers import fill_cache, make_layout
+from tq_hf.kernels import unified_attention
+
+warnings.simplefilter("error", UserWarning)  # Triton 3.9 warns where a launch leaves FMA contraction to its default
+layout = make_layout("4bit", 4, 128, key_centering=True, value_rotation=True)
+pool, table = fill_cache(layout, [300, 263], "cpu")
+with compile_only(90):
+    unified_attention(torch.randn(2, 16, 1, 128, dtype=torch.float16), pool, layout, table,
+                      torch.tensor([300, 263]), 128 ** -0.5, key_offset=torch.randn(4, 128))
+print("compiled")
+'''
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton has no bundled ptxas")
+@pytest.mark.slow
+def test_launches_ask_for_fma_contraction():
+    """Every launch passes enable_fp_fusion=True (fast_launch.LAUNCH_OPTIONS): the code the kernels were tuned and
+    checked with, where Triton 3.10 turns contraction off by default (3.9 warns of it, an error here; a fresh
+    process, as Triton warns once per process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    run = subprocess.run([sys.executable, "-c", FUSION_PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and "compiled" in run.stdout, run.stdout + run.stderr[-2000:]

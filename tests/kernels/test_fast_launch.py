@@ -72,7 +72,9 @@ def test_launch_site_calls_the_compiled_kernel_after_the_first_launch(fake_trito
     kernel = FakeKernel(["x_ptr", "n", "BLOCK", "FLAG"], [2, 3])
     site = fast_launch.LaunchSite(kernel, (3, 2, 1), {"BLOCK": 64, "FLAG": True, "num_warps": 4})
     site("t0", 7)
-    assert kernel.jit_calls == [((3, 2, 1), ("t0", 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4})]
+    # (with the compile options every launch passes: FMA contraction, as the kernels were tuned)
+    assert kernel.jit_calls == [((3, 2, 1), ("t0", 7), {"BLOCK": 64, "FLAG": True, "num_warps": 4,
+                                                        "enable_fp_fusion": True})]
     site("t1", 9)
     site("t2", 11)
     assert len(kernel.jit_calls) == 1, "later calls must not go through Triton's binder"

@@ -1339,7 +1339,8 @@ def test_launch_steps_down_when_shared_memory_runs_out(monkeypatch):
 
     class FakeKernel:
         def __getitem__(self, grid):
-            def launch(*args, BLOCK_N, num_stages, **constants):
+            def launch(*args, BLOCK_N, num_stages, enable_fp_fusion, **constants):
+                assert enable_fp_fusion is True  # asked for, not left to Triton's default (off from 3.10)
                 launches.append((BLOCK_N, num_stages, constants.get("RING_TILE")))
                 if BLOCK_N > 32 or constants.get("RING_TILE", 0) > 16:
                     raise triton.runtime.errors.OutOfResources(262144, 232448, "shared memory")

@@ -22,6 +22,9 @@ import triton
 
 _VERIFIED = ("3.6.",)  # Triton versions whose CompiledKernel.run argument order this module follows
 _ENABLED = triton.__version__.startswith(_VERIFIED)
+# compile options of every launch: FMA contraction, as the kernels were tuned and checked on the GPU (Triton's
+# default through 3.9, which warns that 3.10 turns it off unless a launch asks for it)
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 
 def _driver():
@@ -42,7 +45,7 @@ class LaunchSite:
     __slots__ = ("fn", "grid", "kwargs", "_kernel", "_suffix", "_device")
 
     def __init__(self, fn, grid: tuple[int, int, int], kwargs: dict):
-        self.fn, self.grid, self.kwargs = fn, grid, kwargs
+        self.fn, self.grid, self.kwargs = fn, grid, {**kwargs, **LAUNCH_OPTIONS}
         self._kernel = self._suffix = self._device = None
 
     def __call__(self, *args) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import triton.runtime.errors
 
-from .fast_launch import LaunchSite
+from .fast_launch import LAUNCH_OPTIONS, LaunchSite
 
 # (kernel, constants, block_n, num_stages) -> the (block_n, num_stages, RING_TILE) that fits this GPU's shared memory
 _FITTED: dict[tuple, tuple[int, int, int | None]] = {}
@@ -34,7 +34,8 @@ def launch_fitting(kernel, grid: tuple, args: tuple, constants: dict, block_n: i
     ring_n = constants["RING_TILE"] if constants.get("HAS_RECENT") else None
     tries = [_FITTED[key]] if key in _FITTED else step_downs(block_n, num_stages, ring_n)
     for i, (bn, stages, rn) in enumerate(tries):
-        variant = dict(constants if rn is None else {**constants, "RING_TILE": rn}, BLOCK_N=bn, num_stages=stages)
+        variant = dict(constants if rn is None else {**constants, "RING_TILE": rn}, BLOCK_N=bn, num_stages=stages,
+                       **LAUNCH_OPTIONS)
         try:
             compiled = kernel[grid](*args, **variant)
         except triton.runtime.errors.OutOfResources:
