@@ -11,6 +11,7 @@ import triton.language as tl
 from tq_hf import reference
 from tq_hf.codebook import is_symmetric, lloyd_max
 from tq_hf.kernels import store_kv
+from tq_hf.kernels.fast_launch import LAUNCH_OPTIONS
 from tq_hf.kernels.launch_config import StoreLaunchConfig
 from tq_hf.kernels.store import _bucket_sign_magnitude
 
@@ -406,7 +407,8 @@ def test_sign_magnitude_bucket_matches_the_spec_at_the_boundaries(head_dim):
     code = torch.full((n,), -7, dtype=torch.int32, device=DEVICE)  # poisoned
     val = torch.full((n,), float("nan"), device=DEVICE)
     block = triton.next_power_of_2(n)
-    _bucket_probe[(1,)](y, code, val, n, 16, block, book.boundaries.to(DEVICE), book.centroids.to(DEVICE))
+    _bucket_probe[(1,)](y, code, val, n, 16, block, book.boundaries.to(DEVICE), book.centroids.to(DEVICE),
+                        **LAUNCH_OPTIONS)  # compiled as the store kernel is
     level = torch.bucketize(y.cpu(), b)
     want_code = reference.stored_codes(4)[level].to(torch.int32)
     bad = (code.cpu() != want_code).nonzero().flatten()
