@@ -168,108 +168,113 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    variants = ast.literal_eval(args.variants) if args.variants else VARIANTS
+def _shape_rows(args, variants: dict, hq: int, hk: int, d: int, flush) -> list[dict]:
+    """The timed rows of one head shape: fp16 SDPA and every variant at each (B, S) point."""
     from tq_hf.config import TurboQuantConfig
     from tq_hf.kernels import unified_attention
     from tq_hf.layout import BlockLayout
 
-    flush = _flush_buffer()
+    shape = f"{hq}/{hk}/{d}"
     rows = []
-    for hq, hk, d in args.shape:  # every shape's rows in one process (one CUDA context, one kernel cache)
-        shape = f"{hq}/{hk}/{d}"
-        first = len(rows)
-        for point in args.points.split(","):
-            b, s = (int(x) for x in point.split("x"))
-            q = torch.randn(b, hq, args.queries, d, device="cuda", dtype=torch.float16)
-            k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-            v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
-            mask = causal_mask(args.queries, s)
-            sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), args.reps, True,
-                           flush)
-            del k, v
-            if args.sweep in ("lookups", "narrow"):
-                for lever in ("plain (no levers)", "all (4bit defaults + centering)"):
-                    overrides, prefix, ring = LEVERS[lever]
-                    options = {"key_centering": False, "value_rotation": False, **overrides}
-                    cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
-                                                       **options)
-                    layout = BlockLayout(cfg, hk, d)
-                    baseline = None
-                    torch.manual_seed(0)
-                    for name, tuning in (LOOKUPS if args.sweep == "lookups" else NARROW).items():
-                        torch.manual_seed(0)  # the same pool and side buffers for every variant
-                        try:
-                            call, out = _lever_call(q, layout, b, s, prefix, ring, tuning=tuning)
-                            ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
-                        except Exception as exc:  # reported, not fatal
-                            rows.append({"B": b, "S": s, "preset": "4bit", "variant": f"{lever}: {name}",
-                                         "error": f"{type(exc).__name__}: {exc}"[:300]})
-                            print(f"{shape} B={b} S={s} {lever}: {name}: {rows[-1]['error']}", flush=True)
-                            continue
-                        rows.append(_row(b, s, "4bit", f"{lever}: {name}", tuning, ms, diff, sdpa,
-                                         b * hk * s * cfg.token_head_bytes(d), out))
-                        print(f"{shape} B={b} S={s} {lever}: {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
-                              f"max|diff| {diff:.2e}, finite {rows[-1]['finite']}", flush=True)
-                        torch.cuda.empty_cache()
-                continue
-            if args.sweep == "levers":
-                for name, (overrides, prefix, ring) in LEVERS.items():
-                    options = {"key_centering": False, "value_rotation": False, **overrides}
-                    cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
-                                                       **options)
-                    layout = BlockLayout(cfg, hk, d)
-                    call, out = _lever_call(q, layout, b, s, prefix, ring)
-                    call()
-                    torch.cuda.synchronize()
-                    ms = time_ms(call, args.reps, True, flush)
-                    cbytes = b * hk * s * cfg.token_head_bytes(d)
-                    rows.append({"B": b, "S": s, "preset": "4bit", "variant": name, "ms": ms, "sdpa_fp16_ms": sdpa,
-                                 "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, "max_abs_diff_vs_first": float("nan"),
-                                 "finite": bool(torch.isfinite(out).all())})
-                    print(f"{shape} B={b} S={s} 4bit {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), finite "
-                          f"{rows[-1]['finite']}", flush=True)
-                    torch.cuda.empty_cache()
-                continue
-            for preset in args.presets.split(","):
-                layout = BlockLayout(make_config(preset), hk, d)
-                mu = _key_offset(layout)
-                pool, table = _fill_pool(layout, b, s, key_offset=mu)
-                extra = forward_buffers(layout, b, args.queries)  # +defaults
-                seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
-                scale = 1 / math.sqrt(d)
+    for point in args.points.split(","):
+        b, s = (int(x) for x in point.split("x"))
+        q = torch.randn(b, hq, args.queries, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        v = torch.randn(b, hk, s, d, device="cuda", dtype=torch.float16)
+        mask = causal_mask(args.queries, s)
+        sdpa = time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True), args.reps, True,
+                       flush)
+        del k, v
+        if args.sweep in ("lookups", "narrow"):
+            for lever in ("plain (no levers)", "all (4bit defaults + centering)"):
+                overrides, prefix, ring = LEVERS[lever]
+                options = {"key_centering": False, "value_rotation": False, **overrides}
+                cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
+                                                   **options)
+                layout = BlockLayout(cfg, hk, d)
                 baseline = None
-                sweep = {"splits": SPLITS, "warps": WARPS, "warps2": WARPS2}.get(args.sweep, variants)
-                for rnd, (name, variant) in ((r, nv) for r in range(args.rounds) for nv in sweep.items()):
-                    out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
-                    tuning = {k: v for k, v in variant.items() if k not in ("num_splits", "split_factor")}
-                    if "split_factor" in variant:  # the launcher's split count for these arguments, scaled
-                        variant = {**variant, "num_splits": max(1, int(_default_splits(q, pool, layout, table, seq, s)
-                                                                       * variant["split_factor"]))}
+                torch.manual_seed(0)
+                for name, tuning in (LOOKUPS if args.sweep == "lookups" else NARROW).items():
+                    torch.manual_seed(0)  # the same pool and side buffers for every variant
                     try:
-                        call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
-                                                         launch=_launch_config(tuning), num_splits=variant.get("num_splits"), key_offset=mu,
-                                                         **extra)
+                        call, out = _lever_call(q, layout, b, s, prefix, ring, tuning=tuning)
                         ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
-                    except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
-                        rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                        print(f"{shape} B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
+                    except Exception as exc:  # reported, not fatal
+                        rows.append({"B": b, "S": s, "preset": "4bit", "variant": f"{lever}: {name}",
+                                     "error": f"{type(exc).__name__}: {exc}"[:300]})
+                        print(f"{shape} B={b} S={s} {lever}: {name}: {rows[-1]['error']}", flush=True)
                         continue
-                    cbytes = b * hk * s * layout.config.token_head_bytes(d)
-                    rows.append(_row(b, s, preset, name if args.rounds == 1 else f"{name} (round {rnd + 1})", variant, ms,
-                                     diff, sdpa, cbytes, out))
-                    print(f"{shape} B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
-                          f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
-                del pool, table
+                    rows.append(_row(b, s, "4bit", f"{lever}: {name}", tuning, ms, diff, sdpa,
+                                     b * hk * s * cfg.token_head_bytes(d), out))
+                    print(f"{shape} B={b} S={s} {lever}: {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
+                          f"max|diff| {diff:.2e}, finite {rows[-1]['finite']}", flush=True)
+                    torch.cuda.empty_cache()
+            continue
+        if args.sweep == "levers":
+            for name, (overrides, prefix, ring) in LEVERS.items():
+                options = {"key_centering": False, "value_rotation": False, **overrides}
+                cfg = TurboQuantConfig.from_preset("4bit", block_size=16, exact_prefix_tokens=prefix, recent_window=ring,
+                                                   **options)
+                layout = BlockLayout(cfg, hk, d)
+                call, out = _lever_call(q, layout, b, s, prefix, ring)
+                call()
+                torch.cuda.synchronize()
+                ms = time_ms(call, args.reps, True, flush)
+                cbytes = b * hk * s * cfg.token_head_bytes(d)
+                rows.append({"B": b, "S": s, "preset": "4bit", "variant": name, "ms": ms, "sdpa_fp16_ms": sdpa,
+                             "ratio_vs_fp16": ms / sdpa, "GBps": cbytes / ms / 1e6, "max_abs_diff_vs_first": float("nan"),
+                             "finite": bool(torch.isfinite(out).all())})
+                print(f"{shape} B={b} S={s} 4bit {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), finite "
+                      f"{rows[-1]['finite']}", flush=True)
                 torch.cuda.empty_cache()
-        for row in rows[first:]:
-            row["shape"] = shape
+            continue
+        for preset in args.presets.split(","):
+            layout = BlockLayout(make_config(preset), hk, d)
+            mu = _key_offset(layout)
+            pool, table = _fill_pool(layout, b, s, key_offset=mu)
+            extra = forward_buffers(layout, b, args.queries)  # +defaults
+            seq = torch.full((b,), s, device="cuda", dtype=torch.int32)
+            scale = 1 / math.sqrt(d)
+            baseline = None
+            sweep = {"splits": SPLITS, "warps": WARPS, "warps2": WARPS2}.get(args.sweep, variants)
+            for rnd, (name, variant) in ((r, nv) for r in range(args.rounds) for nv in sweep.items()):
+                out = torch.full_like(q, float("nan"))  # poisoned: unwritten rows show
+                tuning = {k: v for k, v in variant.items() if k not in ("num_splits", "split_factor")}
+                if "split_factor" in variant:  # the launcher's split count for these arguments, scaled
+                    variant = {**variant, "num_splits": max(1, int(_default_splits(q, pool, layout, table, seq, s)
+                                                                   * variant["split_factor"]))}
+                try:
+                    call = lambda: unified_attention(q, pool, layout, table, seq, scale, max_seq_len=s, out=out,  # noqa: E731
+                                                     launch=_launch_config(tuning), num_splits=variant.get("num_splits"), key_offset=mu,
+                                                     **extra)
+                    ms, diff, baseline = _time_against(call, out, baseline, args.reps, flush)
+                except Exception as exc:  # a variant that does not compile or fit is reported, not fatal
+                    rows.append({"B": b, "S": s, "preset": preset, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    print(f"{shape} B={b} S={s} {preset} {name}: {rows[-1]['error']}", flush=True)
+                    continue
+                cbytes = b * hk * s * layout.config.token_head_bytes(d)
+                rows.append(_row(b, s, preset, name if args.rounds == 1 else f"{name} (round {rnd + 1})", variant, ms,
+                                 diff, sdpa, cbytes, out))
+                print(f"{shape} B={b} S={s} {preset} {name}: {ms:.4f} ms = x{ms / sdpa:.2f} fp16 ({sdpa:.4f}), "
+                      f"{cbytes / ms / 1e6:.0f} GB/s, max|diff| {diff:.2e}", flush=True)
+            del pool, table
+            torch.cuda.empty_cache()
+    for row in rows:
+        row["shape"] = shape
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    variants = ast.literal_eval(args.variants) if args.variants else VARIANTS
+    flush = _flush_buffer()
+    # every shape in one process: one CUDA context, one kernel cache
+    rows = [row for hq, hk, d in args.shape for row in _shape_rows(args, variants, hq, hk, d, flush)]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = run_metadata("eval.bench_decode_variants", argv)
-    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "shapes": ["/".join(map(str, x)) for x in args.shape],
-                                                             "rows": rows}, indent=1))
+    shapes = ["/".join(map(str, x)) for x in args.shape]
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "shapes": shapes, "rows": rows}, indent=1))
     table_rows = [[r["shape"], r["B"], r["S"], r["preset"], r["variant"],
                    f"{r['ms']:.4f}" if "ms" in r else r["error"][:60],
                    f"{r['ratio_vs_fp16']:.2f}" if "ms" in r else "", f"{r['GBps']:.0f}" if "ms" in r else "",
