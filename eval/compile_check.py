@@ -74,8 +74,7 @@ def compile_variant(fn, args: tuple, kwargs: dict, arch: int):
 
     kwargs = dict(kwargs)
     # the options every launch passes (fast_launch.LAUNCH_OPTIONS), as given where a plan's constants carry them
-    options = {**LAUNCH_OPTIONS, "num_warps": kwargs.pop("num_warps", 4)}
-    options.update({k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs})
+    options = {"num_warps": kwargs.pop("num_warps", 4), **{k: kwargs.pop(k, v) for k, v in LAUNCH_OPTIONS.items()}}
     if kwargs.get("maxnreg"):
         options["maxnreg"] = kwargs.pop("maxnreg")
     if "num_stages" in kwargs:
