@@ -11,7 +11,7 @@ an exact program per KV head, those are short and the figure overstates). The H2
 about 8 per byte: a decoder above that is bound by issuing instructions, not by memory.
 
     python -m eval.sass_profile [--presets 4bit k8v4 k3v4 3bit] [--batch 16] [--length 32768] [--shapes 32/8/128]
-    python -m eval.sass_profile --presets 3bit+defaults --batch 1 --launch "{'vb': {'value_boundary': True}}"
+    python -m eval.sass_profile --presets 3bit+defaults --batch 1 --launch "{'no vb': {'value_boundary': False}}"
 
 The installed Triton compiles (the H200 image runs Triton 3.6; another version's code may differ). Writes
 OUT/sass_profile.json and .md.
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "constants instead of pinned in registers)")
     ap.add_argument("--launch", type=ast.literal_eval, default={},
                     help="more variants, named: a Python dict literal {name: {LaunchConfig field: value, ...}} (and "
-                         "num_splits), e.g. \"{'vb': {'value_boundary': True}, 'n48': {'maxnreg': 168, 'num_splits': "
+                         "num_splits), e.g. \"{'no vb': {'value_boundary': False}, 'n48': {'maxnreg': 168, 'num_splits': "
                          "48}}\"")
     ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape, "
                     "as planned (the rotations read as fp16 units) and with the rotations built in registers "

@@ -74,10 +74,10 @@ def test_named_launch_overrides_plan_the_profiled_launch():
     """A --launch variant's LaunchConfig fields and split count reach the plan (planned on CPU tensors as on an
     H200: 8 KV heads x (48 splits + the exact program)); a malformed one is refused by name."""
     _, _, kwargs, _, plan = decode_launch("3bit+defaults", 1, 32768, (32, 8, 128),
-                                          {"maxnreg": 168, "num_splits": 48, "value_boundary": True})
-    assert plan.grid == (49, 8, 1) and kwargs["maxnreg"] == 168 and kwargs["VALUE_BOUNDARY"]
+                                          {"maxnreg": 168, "num_splits": 48, "value_boundary": False})
+    assert plan.grid == (49, 8, 1) and kwargs["maxnreg"] == 168 and not kwargs["VALUE_BOUNDARY"]
     _, _, kwargs, _, default = decode_launch("3bit+defaults", 1, 32768, (32, 8, 128))
-    assert default.grid != plan.grid and not kwargs["VALUE_BOUNDARY"]
+    assert default.grid != plan.grid and kwargs["VALUE_BOUNDARY"] and "maxnreg" not in kwargs
     with pytest.raises(SystemExit):
         main(["--launch", "{'vb': True}"])
 

@@ -163,17 +163,27 @@ def test_four_bit_words_give_the_ring_programs_of_their_own(batch, kv_len, split
     assert plan_attention(*args, **kwargs, num_splits=8).constants["RING_PROGRAMS"] is False
 
 
-def test_value_boundary_is_asked_for_decode_tiles_on_a_gpu():
-    """value_boundary (off by default: untimed) gives the decoded value codes of decode tiles on a GPU 16-bit operand
-    layouts; the interpreter and 3-bit value planes in 64-row tiles (the bytes path) refuse it with the reason."""
-    layout = make_layout("3bit", 8, 128)
-    args = _decode_args(layout, 1)
-    assert plan_attention(*args, max_seq_len=32768, device_traits=H200).constants["VALUE_BOUNDARY"] is False
+def test_value_boundary_where_measured_faster():
+    """value_boundary (16-bit operand layouts for the decoded value codes) on by default for 3-bit values in decode on
+    a GPU: the planes (head_dim 128, 256) at any batch, the bit stream (head_dim 64) under a register cap only; off for
+    4-bit values (measured slower) and under the interpreter; asked for, 4-bit values take it too, while the
+    interpreter and 3-bit planes in 64-row tiles (the bytes path) refuse it with the reason."""
+    def boundary(preset, head_dim, batch=1, traits=H200, **kw):
+        args = _decode_args(make_layout(preset, 8, head_dim), batch)
+        plan = plan_attention(*args, max_seq_len=32768, device_traits=traits, **kw)
+        return plan.constants["VALUE_BOUNDARY"], plan.constants.get("maxnreg")
+
+    assert boundary("3bit", 128) == (True, None) and boundary("3bit", 256, 16)[0] is True
+    assert boundary("3bit", 64) == (False, None)  # uncapped: the boundary's registers would cost a program per SM
+    assert boundary("3bit", 64, launch=LaunchConfig(maxnreg=128)) == (True, 128)
+    for preset, head_dim in (("k3v4", 128), ("4bit", 128), ("k8v4", 64)):
+        assert boundary(preset, head_dim)[0] is False
+    assert boundary("3bit", 128, traits=INTERPRETER)[0] is False
     asked = LaunchConfig(value_boundary=True)
-    for preset, head_dim in (("3bit", 128), ("3bit", 64), ("k3v4", 64)):
-        on = plan_attention(*_decode_args(make_layout(preset, 8, head_dim), 1), max_seq_len=32768,
-                            device_traits=H200, launch=asked)
-        assert on.constants["VALUE_BOUNDARY"] is True
+    for preset, head_dim in (("3bit", 64), ("k3v4", 64), ("4bit", 128)):
+        assert boundary(preset, head_dim, launch=asked)[0] is True
+    assert boundary("3bit", 128, launch=LaunchConfig(value_boundary=False))[0] is False
+    args = _decode_args(make_layout("3bit", 8, 128), 1)
     q64 = torch.randn(1, 32, 16, 128, dtype=torch.float16)  # 16 queries x GQA 4: one 64-row tile
     for call_args, traits in ((args, INTERPRETER), ((q64, *args[1:]), H200)):
         with pytest.raises(ValueError, match="value_boundary=True needs decode tiles on a GPU"):

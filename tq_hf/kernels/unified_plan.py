@@ -325,9 +325,11 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                          f"{cfg.value_bits}-bit values, head_dim {d}, block_m {block_m}, value_planes_asm={planes_asm}")
     value_ptx = 2 if planes_asm else int(bool((value_words or planes_v) and ptx))  # (unified._attn_kernel's VALUE_PTX)
     # the decoded value codes behind an asm boundary (code_decoders.operand_boundary): their dots in 16-bit operand
-    # layouts, without the 4 register moves per MMA of the 8-bit ones (sm_90a loop instructions: docs/performance.md);
-    # untimed, so off by default
-    value_boundary = bool(_pick(launch.value_boundary, False))
+    # layouts, without the 4 register moves per MMA of the 8-bit ones: faster for 3-bit values (docs/performance.md),
+    # slower for 4-bit ones; the bit stream (head_dim 64) only under a register cap, since uncapped (B=1) it takes
+    # 201 registers for 156 and 2 programs per SM for 3
+    value_boundary = bool(_pick(launch.value_boundary, cfg.value_bits == 3 and decode and ptx
+                                and (block_m <= 32 if planes_v else maxnreg is not None)))
     if value_boundary and not (decode and ptx and not (planes_v and block_m > 32)):
         raise ValueError("LaunchConfig value_boundary=True needs decode tiles on a GPU, of <= 32 rows for 3-bit value "
                          f"planes; got {rows} rows (block_m {block_m}), {cfg.value_bits}-bit values at head_dim {d}, "
