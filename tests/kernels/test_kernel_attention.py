@@ -1168,6 +1168,20 @@ def test_table_registers_gpu(preset, head_dim, batch, q_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset,batch,stages", [("3bit", 16, 2), ("3bit", 1, 2), ("k3v4", 16, 3), ("k3v4", 1, 2)])
+def test_key_planes_in_head_pairs_gpu(preset, batch, stages):
+    """3-bit key planes at head_dim 128 in head pairs (asked for; uncapped, as sm_90a compiles them without spills)
+    with the preset's levers at real size: key means per row and head, value rotation, the exact prefix and the int8
+    ring, odd lengths."""
+    layout = make_layout(preset, 8, 128, key_centering=True, value_rotation=True)
+    lens = [8192 - 37 * i for i in range(batch)]
+    kw = _fidelity_options(layout, 4, "cuda") | {"key_offset": torch.randn(batch, 8, 128, device="cuda") * 3}
+    launch = LaunchConfig(head_pairs=2, maxnreg=NO_REGISTER_CAP, num_stages=stages)
+    _check(layout, lens, 1, 4, dtype=torch.float16, device="cuda", max_seq_len=8192, prefix_len=4, recent=(128, 0),
+           ring_records=True, launch=launch, **kw)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("batch", [16, 2])
 def test_head_pairs_with_format_options_gpu(batch):
     """The 4bit preset's levers at real size with two KV heads per program (the launcher's default): key means per
@@ -1478,9 +1492,27 @@ def test_head_pairs_with_format_options(head_dim, block_size, exact_program):
     _check(wide, [71, 40], 1, 2, prefix_len=4, recent=(16, 0), num_splits=2, softcap=5.0, launch=LaunchConfig(**tuning), **kw)
 
 
+# 3-bit key planes at head_dim 128 in head pairs (asked for): each head's query windows over its own rows, with
+# 3-bit value planes (3bit) or 4-bit value words (k3v4); odd kv_start, splits, windows, sinks, the format options
+# with both heads' exact prefix and ring, 4 KV heads, each metadata load
+@pytest.mark.parametrize("preset", ["3bit", "k3v4"])
+@pytest.mark.parametrize("options", [False, True])
+@pytest.mark.parametrize("meta_words", [False, True])
+@pytest.mark.slow
+def test_key_planes_in_head_pairs_decode(preset, options, meta_words):
+    layout = make_layout(preset, 2, 128, 16, key_centering=options, value_rotation=options)
+    tuning = {"head_pairs": 2, "meta_words": meta_words} | ({"value_words": True} if preset == "k3v4" else {})
+    _check_decode_walks(layout, options, tuning)
+    _check(layout, [50], 1, 8, num_splits=2, launch=LaunchConfig(**tuning), sinks=torch.randn(16, device=DEVICE))
+    wide = make_layout(preset, 4, 128, 16, key_centering=options, value_rotation=options)
+    _check(wide, [71, 34], 1, 2, num_splits=3, launch=LaunchConfig(**tuning),
+           **(_fidelity_options(wide, 2) if options else {}))
+
+
 def test_head_pairs_refuses_what_it_cannot_pair():
     q = torch.randn(1, 6, 1, 64, device=DEVICE)
-    for layout in (make_layout("4bit", 3, 64), make_layout("k8v4", 2, 64)):  # an odd KV head count; FP8 keys
+    # an odd KV head count; FP8 keys; 3-bit keys as a bit stream (head_dim 64: no planes)
+    for layout in (make_layout("4bit", 3, 64), make_layout("k8v4", 2, 64), make_layout("3bit", 2, 64)):
         pool, table = fill_cache(layout, [40], DEVICE)
         qh = q[:, : layout.num_kv_heads * 2]
         with pytest.raises(ValueError, match="head_pairs=2 needs decode"):

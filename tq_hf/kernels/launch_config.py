@@ -28,7 +28,8 @@ class LaunchConfig:
     from its pair's 32-bit word; vmid_chain: v_mid's load joins the value MMA operand (so it is prefetched);
     bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
     int64, as pools of >= 2**31 bytes take); key_words: 4-bit keys as 16-bit code words; head_pairs: KV heads
-    per decode program (1 or 2); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
+    per decode program (1 or 2: 2 by default for 4-bit code words at head_dim 128; 3-bit key planes at head_dim 128
+    take 2 only when asked); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
     warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too).
     rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
     reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere.

@@ -16,7 +16,8 @@ shared memory; or as 16-bit code words [D/4, N] (KEY_WORDS: two words of a token
 dots over the coordinate sets 2w, 2w + 1, D/2 + 2w, D/2 + 2w + 1, so the query's operand loads by ldmatrix;
 the centroids' magnitudes are bytes on a grid (reference.on_byte_grid), decoded as fp16 subnormals with the
 sign bit set from the code, one 8-byte table, the scores scaled once by KEY_UNIT); elsewhere the centroids are
-gathered. With code words a program may take two KV heads (HEADS_PER_PROGRAM = 2): their query rows share one
+gathered. With code words (or 3-bit key planes at head_dim 128, each head's query windows zero outside its rows) a
+program may take two KV heads (HEADS_PER_PROGRAM = 2): their query rows share one
 16-row tile (rows 0-7, 8-15), each head's dots see only its rows (the query and P zero elsewhere), so the
 softmax, its cross-warp reductions and P's trip through shared memory serve both heads (the exact tiles
 likewise: one softmax step, a dot per head; each row's q . mu from its head's mean).
@@ -369,6 +370,12 @@ def _attn_kernel(
         for w in tl.static_range(6 if D == 128 else 8):
             qh = qh + ((qp[w] / qdiv).to(tl.float16),)
         qp = qh
+        if HEADS_PER_PROGRAM > 1:  # (head_dim 128) head j's windows: its rows only, as the 4-bit words' dots
+            qp = ()
+            for j in tl.static_range(HEADS_PER_PROGRAM):
+                sel = sub[:, None] == j
+                for w in tl.static_range(6):
+                    qp = qp + (tl.where(sel, qh[w], 0.0),)
     else:
         q_key = q  # the query in the keys' space
         if KEY_BITS == 3 and HADAMARD:  # (q * s) @ H / sqrt(D), H built in registers

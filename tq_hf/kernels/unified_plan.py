@@ -185,11 +185,16 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         raise ValueError(f"LaunchConfig key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim "
                          f"64, 128 or 256, got {rows} rows, {cfg.key_bits}-bit "
                          f"{'codebook' if cfg.uses_codebook else 'FP8'} keys, head_dim {d}")
-    if hp > 1 and not (key_words and value_words and decode and rows <= 16 // hp and block_m == 16 and hk % hp == 0
-                       and not meta_pairs):
+    # 3-bit key planes at head_dim 128 pair too (each head's windows over its rows), with 4-bit value words or 3-bit
+    # value planes; untimed, so only where a LaunchConfig asks
+    planes_pair = use_planes and d == 128 and (value_words or planes_v)
+    if hp > 1 and not ((key_words and value_words or planes_pair) and decode and rows <= 16 // hp and block_m == 16
+                       and hk % hp == 0 and not meta_pairs):
         raise ValueError(f"LaunchConfig head_pairs={hp} needs decode (<= {16 // hp} rows per KV head, 16-row tiles) "
-                         "with 4-bit key and value words (key_words, value_words), without meta_pairs, and a KV head "
-                         f"count divisible by {hp}; got {rows} rows, block_m {block_m}, key_words={key_words}, "
+                         "with 4-bit key and value words (key_words, value_words) or 3-bit key planes at head_dim 128 "
+                         "with 4-bit value words or 3-bit value planes, without meta_pairs, and a KV head count "
+                         f"divisible by {hp}; got {rows} rows, block_m {block_m}, {cfg.key_bits}-bit keys, "
+                         f"{cfg.value_bits}-bit values, head_dim {d}, key_words={key_words}, "
                          f"value_words={value_words}, meta_pairs={meta_pairs}, {hk} KV heads")
     m_tiles = triton.cdiv(rows, block_m)
     kv_tiles = max(1, triton.cdiv(kv_len, block_n))
@@ -231,7 +236,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # exact programs of their own beside splits sized for one wave of 1 program per SM while those walk <= 1,024
     # tokens each, of 2 past that (the ring walked after a split's walk was the levers' fixed cost)
     ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
-    rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and ring_q8
+    rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and key_words and ring_q8
                    and recent_size > 0 and b * hk <= 16 and launch.ring_n is None
                    and bool(_pick(launch.ring_programs, True)))
     apart_ring_n = 32  # the ring's tile in programs of its own
