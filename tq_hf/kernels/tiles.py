@@ -171,17 +171,23 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
 
 
 @triton.jit
-def _plane_word_codes(pool_ptr, plane, off, tok_ok, vcol, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                      D: tl.constexpr, VALUE_COLS: tl.constexpr, VALUE_PTX: tl.constexpr, PLANE_WORDS: tl.constexpr,
-                      VALUE_BOUNDARY: tl.constexpr):
-    """A tile's 3-bit value codes of the head at `plane`, as the 4 plane-word accumulators' MMA operands
-    (value_plane_words): one VALUE_COLS-byte row and the bit plane read twice."""
-    v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
-    vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
-    low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
-    high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
-    v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
-    if VALUE_BOUNDARY:  # the value dots in 16-bit operand layouts (operand_boundary)
+def _value_word_codes(pool_ptr, plane, head_bytes, off, tok_ok, vcol, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+                      D: tl.constexpr, VALUE_COLS: tl.constexpr, VALUE_PTX: tl.constexpr, WORDS4: tl.constexpr,
+                      PLANE_WORDS: tl.constexpr, VALUE_BOUNDARY: tl.constexpr):
+    """A tile's value codes of the head at `plane` + head_bytes as the 4 accumulators' MMA operands: WORDS4, 4-bit codes from
+    16-bit words (value_word_nibbles); else 3-bit plane words (value_plane_words: one VALUE_COLS-byte row and the bit
+    plane read twice). VALUE_BOUNDARY: the dots in 16-bit operand layouts (operand_boundary)."""
+    v_row = pool_ptr + (plane[:, None] + head_bytes + T * KB + off[:, None] * VB)
+    if WORDS4:
+        vw = tl.load(v_row.to(tl.pointer_type(tl.uint16)) + vcol[None, :],
+                     mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
+        v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
+    else:
+        vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
+        low = tl.load(v_row + vcol[None, :], mask=vm, other=0)
+        high = tl.load(v_row + VALUE_COLS + (vcol % (D // 8))[None, :], mask=vm, other=0)
+        v0, v1, v2, v3 = value_plane_words(low, high, (vcol // (D // 8))[None, :], VALUE_PTX, PLANE_WORDS == 2)
+    if VALUE_BOUNDARY:
         v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
     return v0, v1, v2, v3
 
@@ -258,8 +264,9 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         r32 = tl.arange(0, 32)
         s = None
         for j in tl.static_range(HEADS_PER_PROGRAM):
+            head = plane if HEADS_PER_PROGRAM == 1 else plane + j * plane_bytes
             if KEY_LUT:
-                kw = pool_ptr + (plane[None, :] + j * plane_bytes + off[None, :] * KB + r32[:, None])
+                kw = pool_ptr + (head[None, :] + off[None, :] * KB + r32[:, None])
                 x = tl.load(kw, mask=tok_ok[None, :], other=0)
                 y = tl.load(kw + 16, mask=tok_ok[None, :], other=0)
                 z = tl.load(kw + 32, mask=tok_ok[None, :] & (r32[:, None] < 16), other=0)
@@ -268,7 +275,7 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
                 s = lookup_dots(s, qp[6 * j + 2], qp[6 * j + 3], z, LUT_LO, LUT_HI)
                 s = lookup_dots(s, qp[6 * j + 4], qp[6 * j + 5], e, LUT_LO, LUT_HI)
             else:
-                kw = pool_ptr + (plane[:, None] + j * plane_bytes + off[:, None] * KB + r32[None, :])
+                kw = pool_ptr + (head[:, None] + off[:, None] * KB + r32[None, :])
                 x = tl.load(kw, mask=tok_ok[:, None], other=0)
                 y = tl.load(kw + 16, mask=tok_ok[:, None], other=0)
                 z = tl.load(kw + 32, mask=tok_ok[:, None] & (r32[None, :] < 16), other=0)
@@ -359,27 +366,22 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
         ps = (p * (v_scale + 0.0 * v_mid)).to(tl.float16)
     else:
         ps = (p * v_scale).to(tl.float16)
-    if VALUE_BITS == 4 and VALUE_WORDS and HEADS_PER_PROGRAM == 1:
-        v_row = (pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
-        vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
-        v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
-        if VALUE_BOUNDARY:  # the value dots in 16-bit operand layouts (operand_boundary; here and below)
-            v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
+    WORDS4: tl.constexpr = VALUE_BITS == 4 and VALUE_WORDS
+    if (WORDS4 or PLANE_WORDS) and HEADS_PER_PROGRAM == 1:  # 4 accumulators (value_col), _value_word_codes
+        v0, v1, v2, v3 = _value_word_codes(pool_ptr, plane, 0, off, tok_ok, vcol, T, KB, VB, D, VALUE_COLS,
+                                           VALUE_PTX, WORDS4, PLANE_WORDS, VALUE_BOUNDARY)
         acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
         acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])
         acc3 = rescaled_dot(ps, v3, acc3, alpha[:, None])
-    elif VALUE_BITS == 4 and VALUE_WORDS:
+    elif WORDS4 or PLANE_WORDS:
         t0 = tl.zeros(acc0.shape, tl.float32)  # the tile's sums from zero (rescaled_dot)
         t1 = tl.zeros(acc1.shape, tl.float32)
         t2 = tl.zeros(acc2.shape, tl.float32)
         t3 = tl.zeros(acc3.shape, tl.float32)
         for j in tl.static_range(HEADS_PER_PROGRAM):  # HEADS_PER_PROGRAM KV heads: P's rows outside head j's are zero in its dots
-            v_row = (pool_ptr + (plane[:, None] + j * plane_bytes + T * KB + off[:, None] * VB)).to(tl.pointer_type(tl.uint16))
-            vw = tl.load(v_row + vcol[None, :], mask=tok_ok[:, None] & (vcol[None, :] < VALUE_COLS), other=0)
-            v0, v1, v2, v3 = value_word_nibbles(vw, VALUE_PTX)
-            if VALUE_BOUNDARY:
-                v0, v1, v2, v3 = operand_boundaries(v0, v1, v2, v3)
+            v0, v1, v2, v3 = _value_word_codes(pool_ptr, plane, j * plane_bytes, off, tok_ok, vcol, T, KB, VB, D,
+                                               VALUE_COLS, VALUE_PTX, WORDS4, PLANE_WORDS, VALUE_BOUNDARY)
             ps_j = tl.where(sub[:, None] == j, ps, 0.0)
             t0 = tl.dot(ps_j, v0, t0)
             t1 = tl.dot(ps_j, v1, t1)
@@ -398,30 +400,6 @@ def pool_tile(t0, end, pool_first, qpos, window, softcap, m_i, l_i, acc0, acc1, 
             n1 = operand_boundary(n1)
         acc0 = rescaled_dot(ps, n0, acc0, alpha[:, None])
         acc1 = rescaled_dot(ps, n1, acc1, alpha[:, None])
-    elif PLANE_WORDS and HEADS_PER_PROGRAM == 1:  # acc_a: coordinates a * D/4 + vcol (_plane_word_codes)
-        v0, v1, v2, v3 = _plane_word_codes(pool_ptr, plane, off, tok_ok, vcol, T, KB, VB, D, VALUE_COLS, VALUE_PTX,
-                                           PLANE_WORDS, VALUE_BOUNDARY)
-        acc0 = rescaled_dot(ps, v0, acc0, alpha[:, None])
-        acc1 = rescaled_dot(ps, v1, acc1, alpha[:, None])
-        acc2 = rescaled_dot(ps, v2, acc2, alpha[:, None])
-        acc3 = rescaled_dot(ps, v3, acc3, alpha[:, None])
-    elif PLANE_WORDS:  # each head's planes with P's rows of that head, the tile's sums from zero (rescaled_dot)
-        t0 = tl.zeros(acc0.shape, tl.float32)
-        t1 = tl.zeros(acc1.shape, tl.float32)
-        t2 = tl.zeros(acc2.shape, tl.float32)
-        t3 = tl.zeros(acc3.shape, tl.float32)
-        for j in tl.static_range(HEADS_PER_PROGRAM):
-            v0, v1, v2, v3 = _plane_word_codes(pool_ptr, plane + j * plane_bytes, off, tok_ok, vcol, T, KB, VB, D,
-                                               VALUE_COLS, VALUE_PTX, PLANE_WORDS, VALUE_BOUNDARY)
-            ps_j = tl.where(sub[:, None] == j, ps, 0.0)
-            t0 = tl.dot(ps_j, v0, t0)
-            t1 = tl.dot(ps_j, v1, t1)
-            t2 = tl.dot(ps_j, v2, t2)
-            t3 = tl.dot(ps_j, v3, t3)
-        acc0 = tl.fma(acc0, alpha[:, None], t0)
-        acc1 = tl.fma(acc1, alpha[:, None], t1)
-        acc2 = tl.fma(acc2, alpha[:, None], t2)
-        acc3 = tl.fma(acc3, alpha[:, None], t3)
     elif VALUE_PLANES:  # 64-row tiles: acc_J, J = 0, 1, coordinates J * D/2 + vcol (codes a = 2J + vcol // (D/4))
         v_row = pool_ptr + (plane[:, None] + T * KB + off[:, None] * VB)
         vm = tok_ok[:, None] & (vcol[None, :] < VALUE_COLS)
