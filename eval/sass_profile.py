@@ -296,8 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "constants instead of pinned in registers)")
     ap.add_argument("--launch", type=ast.literal_eval, default={},
                     help="more variants, named: a Python dict literal {name: {LaunchConfig field: value, ...}} (and "
-                         "num_splits), e.g. \"{'no vb': {'value_boundary': False}, 'n48': {'maxnreg': 168, 'num_splits': "
-                         "48}}\"")
+                         "num_splits), e.g. \"{'no vb': {'value_boundary': False}, 'n48': {'maxnreg': 168, "
+                         "'num_splits': 48}}\"")
     ap.add_argument("--store", action="store_true", help="also the decode store kernel of each preset and shape, "
                     "as planned (the rotations read as fp16 units) and with the rotations built in registers "
                     "(StoreLaunchConfig(rotation_units=False))")

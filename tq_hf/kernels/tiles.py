@@ -171,12 +171,12 @@ def exact_tile(q, m_i, l_i, acc0, acc1, acc2, acc3, acc_x, bias_acc, k_base, s_k
 
 
 @triton.jit
-def _value_word_codes(pool_ptr, plane, head_bytes, off, tok_ok, vcol, T: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-                      D: tl.constexpr, VALUE_COLS: tl.constexpr, VALUE_PTX: tl.constexpr, WORDS4: tl.constexpr,
-                      PLANE_WORDS: tl.constexpr, VALUE_BOUNDARY: tl.constexpr):
-    """A tile's value codes of the head at `plane` + head_bytes as the 4 accumulators' MMA operands: WORDS4, 4-bit codes from
-    16-bit words (value_word_nibbles); else 3-bit plane words (value_plane_words: one VALUE_COLS-byte row and the bit
-    plane read twice). VALUE_BOUNDARY: the dots in 16-bit operand layouts (operand_boundary)."""
+def _value_word_codes(pool_ptr, plane, head_bytes, off, tok_ok, vcol, T: tl.constexpr, KB: tl.constexpr,
+                      VB: tl.constexpr, D: tl.constexpr, VALUE_COLS: tl.constexpr, VALUE_PTX: tl.constexpr,
+                      WORDS4: tl.constexpr, PLANE_WORDS: tl.constexpr, VALUE_BOUNDARY: tl.constexpr):
+    """A tile's value codes of the head at `plane` + head_bytes as the 4 accumulators' MMA operands: WORDS4, 4-bit
+    codes from 16-bit words (value_word_nibbles); else 3-bit plane words (value_plane_words: one VALUE_COLS-byte row
+    and the bit plane read twice). VALUE_BOUNDARY: the dots in 16-bit operand layouts (operand_boundary)."""
     v_row = pool_ptr + (plane[:, None] + head_bytes + T * KB + off[:, None] * VB)
     if WORDS4:
         vw = tl.load(v_row.to(tl.pointer_type(tl.uint16)) + vcol[None, :],
