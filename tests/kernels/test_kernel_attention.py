@@ -1087,10 +1087,11 @@ def _check_decode_lever_gpu(preset: str, head_dim: int, batch: int, q_len: int, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset,head_dim,batch", [("4bit", 128, 1), ("k8v4", 128, 3), ("3bit", 128, 1),
-                                                   ("k3v4", 64, 3), ("4bit", 256, 1)])
+                                                   ("k3v4", 128, 1), ("k3v4", 64, 3), ("4bit", 256, 1)])
 def test_ring_programs_gpu(preset, head_dim, batch):
-    """ring_programs on the GPU's plans (head pairs, lookups, planes): the reference's attention, and the walk's
-    output with the ring tiles in the splits to fp16 rounding (the partials merge in another order)."""
+    """ring_programs on the GPU's plans (head pairs of 4-bit words and of k3v4's key planes, lookups, 3-bit value
+    planes): the reference's attention, and the walk's output with the ring tiles in the splits to fp16 rounding
+    (the partials merge in another order)."""
     _check_decode_lever_gpu(preset, head_dim, batch, 1, "ring_programs", tol=2 ** -9, exact_program=True)
 
 

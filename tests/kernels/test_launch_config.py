@@ -111,11 +111,12 @@ def test_head_dim_256_ring_tiles_spread_from_16_rows(preset, records, batch, kv_
         assert plan.constants["RING_SPREAD"] is spread, (launch, plan.constants["RING_SPREAD"])
 
 
-@pytest.mark.parametrize("preset,records", [("k8v4", False), ("k3v4", True)])
+@pytest.mark.parametrize("preset,records", [("k8v4", False), ("3bit", True)])
 def test_ring_tiles_spread_over_the_splits_by_default(preset, records):
     """An H200's split decode shares the ring's tiles out over its programs: int8 records at every batch (16-token
     tiles at B=1), an exact ring while the batch leaves SMs free (B=1), not once it fills them (B=16); an override
-    decides either way. (4-bit words in head pairs at B=1 give the ring programs of their own, below.)"""
+    decides either way. (4-bit words and k3v4's key planes in head pairs at B=1 give the ring programs of their own,
+    below.)"""
     layout = make_layout(preset, 8, 128)
     spread, tiles = {}, {}
     for batch in (1, 16):
@@ -161,6 +162,31 @@ def test_four_bit_words_give_the_ring_programs_of_their_own(batch, kv_len, split
         spread = plan_attention(*args, **kwargs, launch=launch)
         assert spread.constants["RING_PROGRAMS"] is False and spread.constants["RING_SPREAD"] is True
     assert plan_attention(*args, **kwargs, num_splits=8).constants["RING_PROGRAMS"] is False
+
+
+@pytest.mark.parametrize("batch,splits,exact_programs", [(1, 62, 4), (2, 32, 1), (4, 16, 1), (16, 4, 0)])
+def test_k3v4_key_planes_pair_heads_where_measured_faster(batch, splits, exact_programs):
+    """k3v4 with its levers on an H200 (3-bit key planes, 4-bit value words, int8 ring records) pairs two KV heads
+    per program in decode at head_dim 128, uncapped, 3 stages, 128-token tiles; at B=1 the ring's 32-token tiles
+    in programs of their own beside 62 splits (from B=2 one exact program per pair until the batch fills the GPU).
+    3bit (value planes), the plain format, head_dim 64, the interpreter and a LaunchConfig of one head, metadata
+    pairs or 32-row tiles keep one head per program."""
+    def plan_of(preset="k3v4", head_dim=128, traits=H200, levers=True, **kw):
+        layout = make_layout(preset, 8, head_dim, key_centering=levers, value_rotation=levers)
+        ring = torch.zeros(batch, 8, 128, head_dim + 16, dtype=torch.int8)
+        q, *rest = _decode_args(layout, batch)
+        exact = dict(key_offset=torch.zeros(batch, 8, head_dim), recent_keys=ring, recent_values=ring) if levers else {}
+        return plan_attention(q, *rest, max_seq_len=32768, device_traits=traits, **exact, **kw)
+
+    plan = plan_of()
+    c = plan.constants
+    assert (c["HEADS_PER_PROGRAM"], c.get("maxnreg"), plan.num_stages, plan.block_n, c["VALUE_WORDS"]) == (
+        2, None, 3, 128, True)
+    assert (c["RING_PROGRAMS"], plan.grid[:2]) == (batch == 1, (splits + exact_programs, 4)), plan.grid
+    for one in (plan_of("3bit"), plan_of(levers=False), plan_of(head_dim=64), plan_of(traits=INTERPRETER),
+                plan_of(launch=LaunchConfig(head_pairs=1)), plan_of(launch=LaunchConfig(meta_pairs=True)),
+                plan_of(launch=LaunchConfig(block_m=32))):
+        assert one.constants["HEADS_PER_PROGRAM"] == 1 and not one.constants["RING_PROGRAMS"]
 
 
 def test_value_boundary_where_measured_faster():

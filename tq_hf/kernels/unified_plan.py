@@ -64,7 +64,13 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # (not where the caller's LaunchConfig asks for what pairs exclude: metadata pairs, byte-wise codes)
     pairs = (bool(words) and d == 128 and on_gpu and hk % 2 == 0 and rows <= 8 and not launch.meta_pairs
              and launch.key_words is not False and launch.value_words is not False)
-    hp = _pick(launch.head_pairs, 2 if pairs else 1)
+    # k3v4's 3-bit key planes at head_dim 128 with the levers pair too (4-bit value words): faster from B=4 to 16, at
+    # B=1 with the ring in programs of its own (below); 3bit's value planes gained 2% at B=16 and lost at B=1, and the
+    # plain format is unmeasured
+    pairs3 = (words3 is not None and use_planes and d == 128 and cfg.value_bits == 4 and on_gpu and hk % 2 == 0
+              and rows <= 8 and not plain_format and not launch.meta_pairs and launch.value_words is not False
+              and launch.block_m in (None, 16))
+    hp = _pick(launch.head_pairs, 2 if pairs or pairs3 else 1)
     verify4 = verify3 = False  # a verification forward of 4-bit / 3-bit keys on 16-row tiles (below)
     one_wave3 = False  # 3-bit keys and values in 168 registers once the batch fills the GPU: splits for one wave
     if decode:  # memory-bound: long KV tiles, few rows (eval.bench_decode_variants sweeps)
@@ -95,6 +101,9 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         if hp > 1 and words:
             # head pairs on 128-token tiles; with the levers uncapped (in 168 registers their state spilled)
             block_n, maxnreg = 128, (168 if plain_format else None)
+        elif hp > 1 and use_planes:
+            # 3-bit key planes in head pairs uncapped (2 programs per SM without spills; under 128 or 168 they spill)
+            block_n, maxnreg = 128, None
         elif words and d == 64:
             maxnreg = 168  # 4-bit code words at head_dim 64: 256-token tiles in 168 registers, levers too
         elif verify4 and b * hk <= 8:
@@ -185,8 +194,8 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         raise ValueError(f"LaunchConfig key_words=True needs decode (<= 64 rows) of 4-bit codebook keys at head_dim "
                          f"64, 128 or 256, got {rows} rows, {cfg.key_bits}-bit "
                          f"{'codebook' if cfg.uses_codebook else 'FP8'} keys, head_dim {d}")
-    # 3-bit key planes at head_dim 128 pair too (each head's windows over its rows), with 4-bit value words or 3-bit
-    # value planes; untimed, so only where a LaunchConfig asks
+    # 3-bit key planes at head_dim 128 pair too (each head's windows over its rows), with 4-bit value words (k3v4's
+    # default, above) or 3-bit value planes (where a LaunchConfig asks)
     planes_pair = use_planes and d == 128 and (value_words or planes_v)
     if hp > 1 and not ((key_words and value_words or planes_pair) and decode and rows <= 16 // hp and block_m == 16
                        and hk % hp == 0 and not meta_pairs):
@@ -232,13 +241,14 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
                     and not batch_fills_gpu and m_tiles == 1)
     if (auto_splits and exact_wanted and 48 <= b * hk and (maxnreg == 128 and cfg.key_bits == 8 or cappable64)):
         num_splits = max(1, min(4 * sms // programs - 1, kv_tiles))
-    # 4-bit words in head pairs at head_dim 128 with an int8 ring, up to 2 x 8 KV heads: the ring's 32-token tiles in
-    # exact programs of their own beside splits sized for one wave of 1 program per SM while those walk <= 1,024
-    # tokens each, of 2 past that (the ring walked after a split's walk was the levers' fixed cost)
+    # 4-bit words in head pairs at head_dim 128 with an int8 ring, up to 2 x 8 KV heads (3-bit key planes in pairs:
+    # 1 x 8, as measured): the ring's 32-token tiles in exact programs of their own beside splits sized for one wave
+    # of 1 program per SM while those walk <= 1,024 tokens each, of 2 past that (the ring walked after a split's walk
+    # was the levers' fixed cost)
     ring_q8 = exact_buffers[2] is not None and exact_buffers[2].dtype == torch.int8
-    rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and key_words and ring_q8
-                   and recent_size > 0 and b * hk <= 16 and launch.ring_n is None
-                   and bool(_pick(launch.ring_programs, True)))
+    rings_apart = (auto_splits and exact_wanted and on_gpu and decode and d == 128 and hp > 1 and ring_q8
+                   and (key_words and b * hk <= 16 or use_planes and b * hk <= 8) and recent_size > 0
+                   and launch.ring_n is None and bool(_pick(launch.ring_programs, True)))
     apart_ring_n = 32  # the ring's tile in programs of its own
     if rings_apart:
         ring_tiles = triton.cdiv(recent_size, apart_ring_n)
