@@ -79,6 +79,8 @@ def compile_variant(fn, args: tuple, kwargs: dict, arch: int):
         options["maxnreg"] = kwargs.pop("maxnreg")
     if "num_stages" in kwargs:
         options["num_stages"] = kwargs.pop("num_stages")
+    if kwargs.get("launch_pdl"):  # programmatic dependent launch (LaunchConfig.pdl): the launch's attribute
+        options["launch_pdl"] = kwargs.pop("launch_pdl")
     signature, constexprs, attrs, values = {}, {}, {}, iter(args)
     for index, param in enumerate(fn.params):
         if param.is_constexpr:

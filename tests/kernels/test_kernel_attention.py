@@ -1099,6 +1099,35 @@ def test_ring_programs_gpu(preset, head_dim, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preset,batch", [("4bit", 1), ("k3v4", 1), ("k3v4", 16), ("3bit", 3)])
+def test_pdl_gpu(preset, batch):
+    """LaunchConfig(pdl=True), the attention and its split reduction launched as programmatic dependents: the
+    reference's attention and the plan without it exactly (the same kernels; only the launches' dependency
+    differs); and in a CUDA graph right after a copy kernel that writes the query, the new query's attention."""
+    _check_decode_lever_gpu(preset, 128, batch, 1, "pdl")
+    layout = make_layout(preset, 8, 128)
+    lens = [4000 - 37 * i for i in range(batch)]
+    pool, table = fill_cache(layout, lens, "cuda")
+    seq = torch.tensor(lens, device="cuda")
+    source = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.float16)
+    q = torch.empty_like(source)
+    out = torch.full_like(q, float("nan"))
+    args, kwargs = (q, pool, layout, table, seq, 0.088), dict(max_seq_len=4096, launch=LaunchConfig(pdl=True), out=out)
+    q.copy_(source)
+    unified_attention(*args, **kwargs)  # warm-up: compile + workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q.copy_(source)  # the kernel before: the attention must wait for its write
+        unified_attention(*args, **kwargs)
+    for _ in range(3):
+        source.copy_(torch.randn_like(source))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = reference.paged_attention(source.float(), pool, layout, table, seq, 0.088)
+        assert rel_error(out, want) <= attention_tolerance(torch.float16, want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("preset,head_dim,batch,q_len", [("3bit", 128, 1, 1), ("3bit", 128, 3, 1), ("3bit", 128, 2, 4),
                                                        ("3bit", 256, 1, 1), ("3bit", 64, 3, 1), ("k3v4", 64, 3, 1),
                                                        ("4bit", 128, 2, 1)])

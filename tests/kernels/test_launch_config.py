@@ -189,6 +189,23 @@ def test_k3v4_key_planes_pair_heads_where_measured_faster(batch, splits, exact_p
         assert one.constants["HEADS_PER_PROGRAM"] == 1 and not one.constants["RING_PROGRAMS"]
 
 
+def test_pdl_is_asked_for_only_and_needs_sm_90():
+    """Programmatic dependent launch is off by default; asked for, the attention and its split reduction carry the
+    PDL constexpr and Triton's launch_pdl option; the interpreter and decode_warps' kernel refuse it with the reason."""
+    args = _decode_args(make_layout("k3v4", 8, 128), 1)
+    default = plan_attention(*args, max_seq_len=32768, device_traits=H200)
+    assert default.constants["PDL"] is False and "launch_pdl" not in default.constants
+    assert default.reduce.kwargs["PDL"] is False and "launch_pdl" not in default.reduce.kwargs
+    asked = plan_attention(*args, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(pdl=True))
+    assert asked.split and asked.constants["PDL"] is True and asked.constants["launch_pdl"] is True
+    assert asked.reduce.kwargs["PDL"] is True and asked.reduce.kwargs["launch_pdl"] is True
+    with pytest.raises(ValueError, match="pdl=True needs a GPU of compute capability 9.0"):
+        plan_attention(*args, max_seq_len=32768, device_traits=INTERPRETER, launch=LaunchConfig(pdl=True))
+    four = _decode_args(make_layout("4bit", 8, 128), 16)
+    with pytest.raises(ValueError, match="pdl=True needs the unified kernel"):
+        plan_attention(*four, max_seq_len=32768, device_traits=H200, launch=LaunchConfig(pdl=True, warp_split=True))
+
+
 def test_value_boundary_where_measured_faster():
     """value_boundary (16-bit operand layouts for the decoded value codes) on by default for 3-bit values in decode on
     a GPU: the planes (head_dim 128, 256) at any batch, the bit stream (head_dim 64) under a register cap only; off for

@@ -28,8 +28,8 @@ class LaunchConfig:
     from its pair's 32-bit word; vmid_chain: v_mid's load joins the value MMA operand (so it is prefetched);
     bt_next: the walk's block-table entries loaded an iteration ahead; pool32: int32 pool offsets (False:
     int64, as pools of >= 2**31 bytes take); key_words: 4-bit keys as 16-bit code words; head_pairs: KV heads
-    per decode program (1 or 2: 2 by default for 4-bit code words at head_dim 128; 3-bit key planes at head_dim 128
-    take 2 only when asked); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
+    per decode program (1 or 2: 2 by default for 4-bit code words at head_dim 128 and for k3v4's 3-bit key planes with
+    its levers; 3bit's planes take 2 only when asked); ring_n: recent-window tile (16, 32, 64 or 128 tokens);
     warp_split: decode_warps' one-warp programs (True/False; block_n, num_stages and maxnreg apply to it too).
     rotate_in_reduce: split launches of value-rotated formats leave the partials in the rotated space and the
     reduction rotates each merged row back (else every split program rotates its rows); no effect elsewhere.
@@ -49,8 +49,10 @@ class LaunchConfig:
     the device has SMs to spare (else one program per row steps over the rotated coordinates, every split's slice
     each step). value_boundary: the decoded value codes enter their dots behind an asm boundary
     (code_decoders.operand_boundary), in 16-bit operand layouts (else the 8-bit layouts Triton infers from the
-    bytes, whose registers are regrouped by moves before each MMA). A field left None takes the plan's default for
-    the shape and device."""
+    bytes, whose registers are regrouped by moves before each MMA). pdl: programmatic dependent launch (sm_90+): the
+    attention may start while the kernel before it finishes and waits for it (griddepcontrol) before its first
+    load, and a split launch's reduction likewise after it (off by default: untimed). A field left None takes the
+    plan's default for the shape and device."""
 
     block_m: int | None = None
     block_n: int | None = None
@@ -80,6 +82,7 @@ class LaunchConfig:
     rotation_units: bool | None = None
     reduce_columns: bool | None = None
     value_boundary: bool | None = None
+    pdl: bool | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):

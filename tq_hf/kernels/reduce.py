@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from .codec_tensors import next_pow2
 from .fast_launch import LaunchSite
@@ -31,7 +32,10 @@ def _reduce_kernel(
     ROT_STEP: tl.constexpr,  # (VALUE_ROT, COL_TILES 0) rotated coordinates per step of the product with Rv
     COL_TILES: tl.constexpr,  # (VALUE_ROT) programs per row, each rotating DP / COL_TILES output coordinates; 0: one
     # program per row stepping over the rotated coordinates (every split's slice of the partials each step)
+    PDL: tl.constexpr,  # launched as a programmatic dependent: wait for the attention's partials first
 ):
+    if PDL:
+        gdc_wait()
     r = tl.program_id(0)  # row = (query i, group member g)
     h = tl.program_id(1)
     if COL_TILES > 1:
@@ -95,12 +99,13 @@ def _reduce_kernel(
 
 def reduce_site(b: int, hk: int, g: int, lq: int, num_splits: int, block_m: int, d: int, dp: int,
                 m_tiles: int = 1, value_rotation: bool = False, exact_part: bool = False,
-                column_sms: int | None = None) -> LaunchSite:
+                column_sms: int | None = None, pdl: bool = False) -> LaunchSite:
     """The launch combining num_splits partials per (row, KV head, sequence) into out [B, Hq, Lq, D]; call it
     with (pout, plse, out, out.stride(0), out.stride(1), out.stride(2), num_splits, vrot). value_rotation: the
     partials are in the rotated value space (and exact_part: each row's exact values follow, original space);
     column_sms: the rotation by Rv's columns, their programs sharing them out to fill this many SMs (one program per
-    row at least); None: one program per row stepping over the rotated coordinates."""
+    row at least); None: one program per row stepping over the rotated coordinates. pdl: launched as a programmatic
+    dependent of the attention (sm_90+), waiting for its partials in the kernel."""
     col_step = min(32, dp)
     col_tiles = 0 if column_sms is None else 1
     rows = b * hk * g * lq
@@ -110,7 +115,12 @@ def reduce_site(b: int, hk: int, g: int, lq: int, num_splits: int, block_m: int,
         D=d, DP=dp, G=g, BLOCK_M=block_m, NSP=next_pow2(num_splits), M_TILES=m_tiles,
         PARTIAL_W=partial_width(dp, value_rotation and exact_part), VALUE_ROT=value_rotation,
         EXACT_PART=value_rotation and exact_part, SPLIT_STEP=min(16, next_pow2(num_splits)), COL_STEP=col_step,
-        ROT_STEP=min(16, dp), COL_TILES=col_tiles, num_warps=4 if dp >= 128 else 2))
+        ROT_STEP=min(16, dp), COL_TILES=col_tiles, num_warps=4 if dp >= 128 else 2, **pdl_options(pdl)))
+
+
+def pdl_options(pdl: bool) -> dict:
+    """A launch's PDL constexpr and, when on, Triton's launch_pdl option (the launch attribute)."""
+    return {"PDL": pdl, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def partial_width(dp: int, exact_part: bool) -> int:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .code_decoders import code_unit, value_col
 from .rotation import (hadamard_dot, hadamard_entries, hadamard_input, hadamard_signs, matmul_square, row_norm, split_dot,
@@ -221,7 +222,12 @@ def _attn_kernel(
     HEADS_PER_PROGRAM: tl.constexpr,  # KV heads per program: 2 put their query rows in one MMA tile, BLOCK_M / 2 apart
     ROT_IN_REDUCE: tl.constexpr,  # SPLIT and VALUE_ROT: partials stay in the rotated value space (reduce.py rotates)
     PARTIAL_W: tl.constexpr,  # fp32 values per split partial row: DP, or 2 x DP (ROT_IN_REDUCE with EXACT_ACC)
+    PDL: tl.constexpr,  # programmatic dependent launch: wait for the kernel before (its writes) before any load, and
+    # let the split reduction launch now (it waits for this kernel in turn)
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)

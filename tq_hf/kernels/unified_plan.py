@@ -17,7 +17,7 @@ from .key_lut import (config_lut3_words, config_lut_bytes, config_lut_words, lut
                       lut_words_asm)
 from .launch_config import NO_REGISTER_CAP, LaunchConfig
 from .plan import AttentionPlan
-from .reduce import partial_width, reduce_site
+from .reduce import partial_width, pdl_options, reduce_site
 from .unified import _attn_kernel
 from .workspace import check_workspace
 
@@ -352,6 +352,12 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
     # the key lookups' table words pinned in registers (key_lut._tables), else ptxas copies one from a uniform
     # register before each byte permute; 3bit gains only with the byte-plane asm above, so the two go together
     pinned = bool(_pick(launch.table_registers, True))
+    # programmatic dependent launch, asked for only (untimed): Hopper's griddepcontrol, PTX only
+    pdl = bool(_pick(launch.pdl, False))
+    if pdl and not (ptx and (not pool.is_cuda or torch.cuda.get_device_capability(pool.device) >= (9, 0))):
+        got = torch.cuda.get_device_name(pool.device) if ptx else "the interpreter"
+        raise ValueError("LaunchConfig pdl=True needs a GPU of compute capability 9.0 or newer (sm_90: H100, H200) "
+                         f"running PTX; got {got}")
     exact_acc = cfg.value_rotation and (prefix_len > 0 or recent_size > 0)
     width = partial_width(dp, rot_in_reduce and exact_acc)
     workspace_numel = 0
@@ -379,7 +385,7 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
             lut3_asm(words3, True, pinned) if words3 and not stream3 else ""),
         KEY_PLANES=use_planes, VALUE_PLANES=planes_v,
         META_PAIRS=meta_pairs, META_WORDS=meta_words, VMID_CHAIN=vmid_chain, BT_NEXT=bt_next, POOL32=pool32, HADAMARD=hadamard, QUERY_BUTTERFLY=query_butterfly, VALUE_BOUNDARY=value_boundary, ROT16=rot16, ROT16_UNITS=rot16_units, HAS_RECENT=recent_size > 0, RING_TILE=ring_n,
-        HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        HEADS_PER_PROGRAM=hp, num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_options(pdl),
     )
     return AttentionPlan(
         layout=layout, kernel=_attn_kernel, grid=(m_tiles * ns_all, hk // hp, b), constants=constants, block_n=block_n,
@@ -388,5 +394,5 @@ def plan_unified(query: torch.Tensor, pool: torch.Tensor, layout: BlockLayout, *
         recent_size=recent_size, scalars=(lq, num_splits, float(scale), float(softcap or 1.0), int(sliding_window or 0),
                                           layout.block_bytes, layout.plane_bytes),
         reduce=reduce_site(b, hk, g, lq, ns_all, block_m // hp, d, dp, m_tiles, rot_in_reduce, exact_acc,
-                           sms if reduce_columns else None) if split else None,
+                           sms if reduce_columns else None, pdl) if split else None,
     )

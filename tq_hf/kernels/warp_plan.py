@@ -55,6 +55,8 @@ def wanted(launch: LaunchConfig, layout: BlockLayout, rows: int, batch: int, pla
     if forced:
         if why is not None:
             raise ValueError(f"LaunchConfig warp_split=True needs {why}")
+        if launch.pdl:
+            raise ValueError("LaunchConfig pdl=True needs the unified kernel (warp_split=False or None)")
         return True
     if forced is not None or launch.overrides():
         return False
